@@ -1,0 +1,507 @@
+"""`AsyncLLM`: the engine behind an asyncio server.
+
+One background thread owns the LLMEngine (it is not thread-safe) and runs its loop: it applies queued
+commands (add, abort, inspect), runs one ``step()`` while any request is unfinished, and hands every
+step's outputs to the asyncio side in one batch per event loop. Requests added while the engine runs
+join the batch at the next step. When there is nothing to do the thread blocks on its command queue.
+
+Only new token ids cross the thread boundary (the cumulative token list is rebuilt on the asyncio
+side), so streaming a long output costs O(1) per token instead of copying the whole list every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from nanoinfer.outputs import CompletionOutput, RequestOutput
+from nanoinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoinfer.engine.llm_engine import LLMEngine, PromptType
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (it crashed or was shut down); no request can make progress."""
+
+
+@dataclass
+class StreamingCompletionOutput(CompletionOutput):
+    """A cumulative CompletionOutput plus what is new since the previous output of the same request."""
+
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+
+
+class RequestStatsListener(Protocol):
+    """Receives per-request timings from the engine thread (e.g. to feed Prometheus metrics)."""
+
+    def on_prompt(self, num_prompt_tokens: int) -> None: ...
+
+    def on_new_tokens(self, num_tokens: int, ttft_s: float | None, itl_s: float | None) -> None: ...
+
+    def on_finished(self, finish_reason: str, e2e_s: float) -> None: ...
+
+
+# -- messages from the engine thread to a request's stream ----------------------------------------------
+
+
+@dataclass
+class _CompletionUpdate:
+    index: int
+    new_token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class _Update:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[_CompletionUpdate]
+    finished: bool
+    num_cached_tokens: int
+
+
+class _Aborted:
+    """Marks the end of an aborted request's stream."""
+
+
+_ABORTED = _Aborted()
+
+
+# -- commands from any thread to the engine thread -------------------------------------------------------
+
+
+@dataclass
+class _AddCommand:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    stream: RequestStream
+    accepted: asyncio.Future
+    arrival_time: float
+
+
+@dataclass
+class _AbortCommand:
+    request_id: str
+    # When set, only this stream's request is aborted: a later request may reuse the id.
+    stream: RequestStream | None
+
+
+@dataclass
+class _CallCommand:
+    fn: Callable[[LLMEngine], Any]
+    result: concurrent.futures.Future
+
+
+class _StopCommand:
+    pass
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping of one request."""
+
+    stream: RequestStream
+    arrival_time: float
+    num_sent_tokens: dict[int, int] = field(default_factory=dict)
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+
+
+class RequestStream:
+    """The outputs of one request as an async iterator of cumulative RequestOutputs with deltas.
+
+    Outputs that pile up while the consumer is busy are merged into one. The iterator ends after the
+    finished output; it raises the error if the request failed. Call :meth:`abort` when abandoning it.
+    """
+
+    def __init__(self, async_llm: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.finished = False
+        self._async_llm = async_llm
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._prompt: str | None = None
+        self._prompt_token_ids: list[int] = []
+        self._num_cached_tokens = 0
+        self._token_ids: dict[int, list[int]] = {}
+        self._texts: dict[int, str] = {}
+        self._finish_reasons: dict[int, str | None] = {}
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        prev_lens = {i: len(ids) for i, ids in self._token_ids.items()}
+        prev_texts = dict(self._texts)
+        request_finished = False
+        for item in items:
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            if item is _ABORTED:
+                request_finished = True
+                for index, reason in self._finish_reasons.items():
+                    if reason is None:
+                        self._finish_reasons[index] = "abort"
+                if not self._finish_reasons:
+                    self._token_ids[0], self._texts[0], self._finish_reasons[0] = [], "", "abort"
+                break
+            self._prompt, self._prompt_token_ids = item.prompt, item.prompt_token_ids
+            self._num_cached_tokens = item.num_cached_tokens
+            request_finished = item.finished
+            for c in item.completions:
+                self._token_ids.setdefault(c.index, []).extend(c.new_token_ids)
+                self._texts[c.index] = c.text
+                self._finish_reasons[c.index] = c.finish_reason
+        self.finished = request_finished
+        outputs = []
+        for index in sorted(self._token_ids):
+            token_ids, text = self._token_ids[index], self._texts[index]
+            prev_text = prev_texts.get(index, "")
+            outputs.append(
+                StreamingCompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(token_ids),
+                    finish_reason=self._finish_reasons[index],
+                    # The detokenizer only appends, so the new text is the cumulative text's tail.
+                    text_delta=text[len(prev_text) :] if text.startswith(prev_text) else text,
+                    token_ids_delta=token_ids[prev_lens.get(index, 0) :],
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self._prompt,
+            prompt_token_ids=self._prompt_token_ids,
+            outputs=outputs,
+            finished=request_finished,
+            num_cached_tokens=self._num_cached_tokens,
+        )
+
+    def abort(self) -> None:
+        """Stops the request and frees its KV blocks (soon, on the engine thread); no-op once finished."""
+        if not self.finished:
+            self.finished = True
+            self._async_llm._abort(self.request_id, self)
+
+
+class AsyncLLM:
+    """An LLMEngine driven by one background thread, with an asyncio API.
+
+    ``engine_factory`` is called on the engine thread, so thread-local torch state (grad mode, current
+    CUDA device) set while building the engine holds while it runs. The constructor blocks until the
+    engine is ready and re-raises the factory's exception if it fails.
+    """
+
+    def __init__(self, engine_factory: Callable[[], LLMEngine], stats_listener: RequestStatsListener | None = None):
+        self.stats_listener = stats_listener
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Guards _dead so that no command is queued after the engine thread drained the queue for good.
+        self._lock = threading.Lock()
+        self._dead: EngineDeadError | None = None
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._engine: LLMEngine | None = None
+        self._last_stats: dict[str, int] = {}
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(engine_factory, ready), name="nanoinfer-engine", daemon=True
+        )
+        self._thread.start()
+        ready.result()
+
+    @classmethod
+    def from_kwargs(
+        cls, model: str, stats_listener: RequestStatsListener | None = None, **engine_kwargs: Any
+    ) -> AsyncLLM:
+        from nanoinfer.engine.llm_engine import LLMEngine
+
+        return cls(lambda: LLMEngine.from_kwargs(model, **engine_kwargs), stats_listener)
+
+    @property
+    def config(self):
+        """The engine's EngineConfig (read-only after construction)."""
+        return self._engine.config
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    @property
+    def error(self) -> EngineDeadError | None:
+        """Why the engine loop stopped, or None while it runs."""
+        return self._dead
+
+    # -- public API ------------------------------------------------------------------------------------
+
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+    ) -> RequestStream:
+        """Queues a request and waits until the engine accepted it.
+
+        Raises the engine's ValueError (bad prompt, duplicate id, prompt too long) with nothing
+        allocated, or EngineDeadError. The caller must iterate the stream to its end or abort it.
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id, loop)
+        accepted = loop.create_future()
+        params = params if params is not None else SamplingParams()
+        self._submit(_AddCommand(request_id, prompt, params, stream, accepted, time.monotonic()))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            # The add may still succeed on the engine thread; the abort queued behind it undoes it.
+            stream.abort()
+            raise
+        except BaseException:
+            stream.finished = True
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams | None, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's cumulative output (with deltas) after each step that advanced it.
+
+        Leaving the loop early (break, exception, cancellation) aborts the request.
+        """
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Removes the request wherever it is (waiting, running, mid-prefill) and frees its KV blocks.
+
+        Thread-safe and non-blocking: the abort runs on the engine thread before its next step. The
+        request's stream, if someone iterates it, ends with finish_reason "abort".
+        """
+        self._abort(request_id, None)
+
+    async def get_stats(self) -> dict[str, int]:
+        """``LLMEngine.stats()`` taken on the engine thread after every command queued before this call.
+
+        After the engine stopped, returns the last stats it reported.
+        """
+        try:
+            future = self._submit_call(lambda engine: engine.stats())
+        except EngineDeadError:
+            return dict(self._last_stats)
+        stats = await asyncio.wrap_future(future)
+        return stats
+
+    def stats(self, timeout: float | None = None) -> dict[str, int]:
+        """Blocking version of :meth:`get_stats` for threads without an event loop."""
+        try:
+            future = self._submit_call(lambda engine: engine.stats())
+        except EngineDeadError:
+            return dict(self._last_stats)
+        return future.result(timeout)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stops the engine thread: unfinished requests fail with EngineDeadError; the engine is closed."""
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(_StopCommand())
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- submitting commands ---------------------------------------------------------------------------
+
+    def _submit(self, command: Any) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            self._commands.put(command)
+
+    def _submit_call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_CallCommand(fn, future))
+        return future
+
+    def _abort(self, request_id: str, stream: RequestStream | None) -> None:
+        try:
+            self._submit(_AbortCommand(request_id, stream))
+        except EngineDeadError:
+            pass  # a dead engine holds no requests
+
+    # -- the engine thread -----------------------------------------------------------------------------
+
+    def _run(self, engine_factory: Callable[[], LLMEngine], ready: concurrent.futures.Future) -> None:
+        try:
+            self._engine = engine_factory()
+            self._last_stats = self._engine.stats()
+        except BaseException as e:
+            with self._lock:
+                self._dead = EngineDeadError(f"the engine failed to start: {e!r}")
+            ready.set_exception(e)
+            return
+        ready.set_result(None)
+        engine = self._engine
+        try:
+            while self._apply_commands(block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    self._deliver(engine.step())
+            error = EngineDeadError("the engine was shut down")
+        except BaseException as e:
+            logger.exception("the engine loop crashed")
+            error = EngineDeadError(f"the engine loop crashed: {e!r}")
+            error.__cause__ = e
+        self._stop(engine, error)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Runs every queued command (waiting for one if ``block``); False once asked to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _StopCommand):
+                return False
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, command: Any) -> None:
+        engine = self._engine
+        if isinstance(command, _AddCommand):
+            try:
+                engine.add_request(command.request_id, command.prompt, command.params)
+            except Exception as e:  # a bad request fails alone; the engine allocated nothing for it
+                _resolve(command.accepted, error=e)
+                return
+            self._tracked[command.request_id] = _Tracked(command.stream, command.arrival_time)
+            _resolve(command.accepted, value=None)
+        elif isinstance(command, _AbortCommand):
+            tracked = self._tracked.get(command.request_id)
+            if tracked is None or (command.stream is not None and tracked.stream is not command.stream):
+                return
+            del self._tracked[command.request_id]
+            engine.abort_request(command.request_id)
+            if self.stats_listener is not None:
+                self.stats_listener.on_finished("abort", time.monotonic() - tracked.arrival_time)
+            _post(tracked.stream._loop, [(tracked.stream, _ABORTED)])
+        elif isinstance(command, _CallCommand):
+            try:
+                result = command.fn(engine)
+            except Exception as e:
+                command.result.set_exception(e)
+                return
+            if isinstance(result, dict) and "num_kv_blocks_total" in result:
+                self._last_stats = dict(result)
+            command.result.set_result(result)
+        else:
+            raise TypeError(f"unknown engine command {command!r}")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Sends each output's new tokens to its stream: one hop to each event loop per step."""
+        now = time.monotonic()
+        listener = self.stats_listener
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:  # not added through this AsyncLLM
+                continue
+            completions = []
+            num_new = 0
+            for c in output.outputs:
+                sent = tracked.num_sent_tokens.get(c.index, 0)
+                new_ids = list(c.token_ids[sent:])
+                tracked.num_sent_tokens[c.index] = sent + len(new_ids)
+                num_new += len(new_ids)
+                completions.append(_CompletionUpdate(c.index, new_ids, c.text, c.finish_reason))
+            if num_new:
+                if listener is not None:
+                    if tracked.first_token_time is None:
+                        listener.on_prompt(len(output.prompt_token_ids))
+                        listener.on_new_tokens(num_new, now - tracked.arrival_time, None)
+                    else:
+                        listener.on_new_tokens(num_new, None, now - tracked.last_token_time)
+                if tracked.first_token_time is None:
+                    tracked.first_token_time = now
+                tracked.last_token_time = now
+            if output.finished:
+                del self._tracked[output.request_id]
+                if listener is not None:
+                    reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+                    listener.on_finished(reason, now - tracked.arrival_time)
+            update = _Update(
+                output.prompt, output.prompt_token_ids, completions, output.finished, output.num_cached_tokens
+            )
+            batches.setdefault(tracked.stream._loop, []).append((tracked.stream, update))
+        for loop, items in batches.items():
+            _post(loop, items)
+
+    def _stop(self, engine: LLMEngine, error: EngineDeadError) -> None:
+        """Fails every unfinished request and every queued command with ``error``; closes the engine."""
+        with self._lock:
+            self._dead = error
+        try:
+            self._last_stats = engine.stats()
+        except Exception:
+            logger.exception("engine.stats() failed while stopping")
+        for tracked in self._tracked.values():
+            _post(tracked.stream._loop, [(tracked.stream, error)])
+        self._tracked.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _AddCommand):
+                _resolve(command.accepted, error=error)
+            elif isinstance(command, _CallCommand):
+                command.result.set_exception(error)
+        try:
+            engine.close()
+        except Exception:
+            logger.exception("engine.close() failed")
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """Puts (stream, item) pairs into their streams' queues on ``loop``."""
+
+    def put_all() -> None:
+        for stream, item in items:
+            stream._queue.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:
+        pass  # the loop is closed: nobody is left to read these outputs
+
+
+def _resolve(future: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
+    def settle() -> None:
+        if future.done():  # cancelled by a caller that stopped waiting
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    try:
+        future.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the loop is closed

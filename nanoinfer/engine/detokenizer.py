@@ -1,0 +1,40 @@
+"""Incremental detokenization that is safe for byte-level BPE.
+
+Decoding one token at a time breaks multi-byte UTF-8 characters (a Chinese character or an emoji is
+often split over several tokens) and loses the leading-space rules of SentencePiece-style tokenizers.
+So each step decodes a short window twice, with and without the new token, emits the difference, and
+holds it back while it still ends in an incomplete character (U+FFFD).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens kept as left context for the first decoded tokens.
+_CONTEXT_TOKENS = 6
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # window start: text before read_offset is already emitted
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Appends one generated token; returns the newly completed text (possibly empty)."""
+        self._ids.append(token_id)
+        emitted = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self._ids[self._prefix_offset :])
+        if len(window) <= len(emitted) or window.endswith(_INCOMPLETE):
+            return ""
+        delta = window[len(emitted) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,127 @@
+"""Paged attention: the layer, the per-batch metadata it reads, and the pluggable kernel backends."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanoinfer.kernels.attention_ref import paged_attention_ref, store_kvcache_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this batch's tokens sit in the paged KV cache. Built by the model runner for each forward
+    pass and handed explicitly to every attention layer (no global context)."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = padding row, writes nothing
+    query_start_loc: torch.Tensor  # [batch + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [batch] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [batch, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and attends over it."""
+
+    name: str
+
+    @abstractmethod
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None: ...
+
+    @abstractmethod
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Pure PyTorch; runs anywhere (the CPU path and the reference). Not CUDA-graph capturable."""
+
+    name = "torch"
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(self, query, k_cache, v_cache, meta, scale):
+        return paged_attention_ref(
+            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+        )
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels for CUDA: split-KV paged decode and paged prefill. Capturable in CUDA graphs."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from nanoinfer.kernels import triton_attention  # Triton is imported only on CUDA
+
+        self.kernels = triton_attention
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self.kernels.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(self, query, k_cache, v_cache, meta, scale):
+        if meta.is_prefill:
+            return self.kernels.paged_prefill_attention(
+                query,
+                k_cache,
+                v_cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.max_query_len,
+                scale,
+            )
+        return self.kernels.paged_decode_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+        )
+
+
+def create_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+
+
+class Attention(nn.Module):
+    """One layer's attention over the paged cache. ``k_cache``/``v_cache`` are views into the engine's
+    KV pool, attached by the model runner once the pool is allocated (empty until then, e.g. during
+    the memory-profiling warm-up, when nothing is stored)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.backend: AttentionBackend = TorchAttentionBackend()
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim]
+        if self.k_cache.numel() == 0:
+            return self._attend_uncached(q, k, v, meta)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+
+    def _attend_uncached(self, q, k, v, meta) -> torch.Tensor:
+        """Causal attention over this batch's own tokens only: used before the KV pool exists (the
+        warm-up pass that measures peak activation memory), where every sequence starts at 0."""
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc.tolist()
+        for b in range(len(starts) - 1):
+            s, e = starts[b], starts[b + 1]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1),
+                k[s:e].transpose(0, 1),
+                v[s:e].transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[s:e] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,45 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.distributed import all_reduce, gather_to_rank0, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.vocab_size = vocab_size
+        self.vocab_per_rank = (vocab_size + self.tp_size - 1) // self.tp_size
+        self.vocab_start = self.tp_rank * self.vocab_per_rank
+        self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = loaded[self.vocab_start : self.vocab_start + self.vocab_per_rank]
+        # The last rank's slice may be shorter than vocab_per_rank; its tail rows stay zero.
+        param.data[: shard.size(0)].copy_(shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        in_shard = (local >= 0) & (local < self.vocab_per_rank)
+        y = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.weight)
+        y = y * in_shard.unsqueeze(-1).to(y.dtype)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits; the full vocabulary row is gathered on rank 0 only."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        full = gather_to_rank0(logits, dim=-1)
+        return full[..., : self.vocab_size] if full is not None else None
