@@ -1,34 +1,167 @@
-"""Tensor-parallel rank/size and the two collectives the model needs.
+"""Tensor-parallel state: the rank and size layers are built for, the process group, and the collectives.
 
-The process group is torch.distributed's default group, created by the executor before the model is
-built; without one (a single process) every rank query answers 0/1 and the collectives are no-ops.
+Layers read ``tp_rank()`` / ``tp_size()`` once, when they are built, from the scope the model runner
+opens around model construction (:func:`tensor_parallel_scope`); outside any scope a model is built
+whole. Each layer keeps its own rank and size, so a single-process engine built while a tensor-parallel
+one is open in the same process stays unsharded.
+
+The collectives run on torch.distributed's default process group, which the model runner of every rank
+creates (:func:`init_process_group`) before building its model: one tensor-parallel engine per process.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
+# How long a collective (and the start-up rendezvous) may wait for the other ranks. A rank that exits
+# is noticed much sooner: gloo fails as soon as its connection closes and rank 0 checks its workers
+# before every step; this bounds what is left (a hung rank, or NCCL waiting on a dead peer).
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
-def tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+_rank, _size = 0, 1
+# Rank 0 installs a check that raises a precise error (which worker died, its traceback) when a
+# collective fails; held weakly so it does not keep the engine alive.
+_failure_check: weakref.WeakMethod | None = None
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return _rank
+
+
+def tp_size() -> int:
+    return _size
+
+
+@contextmanager
+def tensor_parallel_scope(rank: int, size: int) -> Iterator[None]:
+    """Layers built inside take this rank's shard of a ``size``-way split."""
+    global _rank, _size
+    previous = _rank, _size
+    _rank, _size = rank, size
+    try:
+        yield
+    finally:
+        _rank, _size = previous
+
+
+def check_tensor_parallel_size(hf_config: Any, size: int) -> None:
+    """Raises ValueError when the model cannot be split ``size`` ways (checked before any process
+    starts)."""
+    if size == 1:
+        return
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    if num_heads % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} must divide the number of attention heads ({num_heads})"
+        )
+    # Fewer KV heads than ranks is fine (each is replicated), as long as the split is even.
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={size} and the number of key/value heads ({num_kv_heads}) must "
+            "divide one another"
+        )
+    if hf_config.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} must divide the MLP intermediate size "
+            f"({hf_config.intermediate_size})"
+        )
+
+
+# -- process group ------------------------------------------------------------------------------------
+
+
+def create_master_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a port the OS picks, so engines on one host never collide."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
+    )
+
+
+def connect_store(port: int, world_size: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+
+
+def ensure_no_process_group() -> None:
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group already exists in this process; a tensor-parallel "
+            "engine needs its own: close the other tensor-parallel engine first"
+        )
+
+
+def init_process_group(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> None:
+    """NCCL between GPUs (rank r on cuda:r), gloo on the CPU."""
+    ensure_no_process_group()
+    if device.type == "cuda":
+        if rank == 0:
+            # On an NCCL error or timeout PyTorch's default is to kill the process; rank 0 is the user's
+            # process, so only abort the communicator (the failing call then raises). Read at group
+            # creation; a value the user set is kept.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, device_id=device
+        )
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+
+
+def destroy_process_group() -> None:
+    global _failure_check
+    _failure_check = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_failure_check(check: Callable[[], None] | None) -> None:
+    """``check`` (a bound method) runs when a collective fails and may raise a more precise error."""
+    global _failure_check
+    _failure_check = weakref.WeakMethod(check) if check is not None else None
+
+
+def _collective_failed(name: str, error: RuntimeError) -> RuntimeError:
+    check = _failure_check() if _failure_check is not None else None
+    if check is not None:
+        check()  # raises when it finds the cause
+    return RuntimeError(f"tensor-parallel {name} failed, another rank probably exited: {error}")
+
+
+# -- collectives --------------------------------------------------------------------------------------
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() > 1:
+    """Sums ``x`` across ranks, in place."""
+    try:
         dist.all_reduce(x)
+    except RuntimeError as e:
+        raise _collective_failed("all-reduce", e) from e
     return x
 
 
+def all_reduce_min(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    except RuntimeError as e:
+        raise _collective_failed("all-reduce", e) from e
+    return int(t.item())
+
+
 def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-    """Concatenates every rank's shard along ``dim`` on rank 0; other ranks get None."""
-    size = tp_size()
-    if size == 1:
-        return x
-    shards = [torch.empty_like(x) for _ in range(size)] if tp_rank() == 0 else None
-    dist.gather(x, shards, dst=0)
+    """Concatenates every rank's (equally shaped) shard along ``dim`` on rank 0; other ranks get None."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = x.contiguous()
+    shards = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
+    try:
+        dist.gather(x, shards, dst=0)
+    except RuntimeError as e:
+        raise _collective_failed("gather", e) from e
     return torch.cat(shards, dim=dim) if shards is not None else None

@@ -7,12 +7,71 @@ numbers (queue lengths, KV cache use, preemptions, prefix-cache hits) are copied
 
 from __future__ import annotations
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Bucket edges in seconds, spanning a tiny CPU model to long prompts on a loaded GPU.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
+_E2E_BUCKETS = (
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 
 # Engine stats that only grow, and the counter each one feeds.
 _CUMULATIVE_STATS = {
@@ -26,6 +85,9 @@ class ServingMetrics:
     """All serving metrics, labelled with the served model name; a RequestStatsListener."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        # Without this every counter and histogram also exports a `_created` timestamp series, which
+        # doubles the output for no use here. (A process-wide switch, as in vLLM.)
+        prometheus_client.disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -40,7 +102,12 @@ class ServingMetrics:
             Gauge("nanoinfer:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
         )
         self.kv_cache_usage = labelled(
-            Gauge("nanoinfer:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", labels, registry=r)
+            Gauge(
+                "nanoinfer:kv_cache_usage_perc",
+                "Fraction of KV cache blocks in use (0-1).",
+                labels,
+                registry=r,
+            )
         )
         self.prefix_cache_hit_rate = labelled(
             Gauge(
@@ -54,19 +121,34 @@ class ServingMetrics:
             Counter("nanoinfer:num_preemptions", "Requests preempted to free KV blocks.", labels, registry=r)
         )
         self.prefix_cache_queries = labelled(
-            Counter("nanoinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r)
+            Counter(
+                "nanoinfer:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                labels,
+                registry=r,
+            )
         )
         self.prefix_cache_hits = labelled(
-            Counter("nanoinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r)
+            Counter(
+                "nanoinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
+            )
         )
         self.prompt_tokens = labelled(
-            Counter("nanoinfer:prompt_tokens", "Prompt tokens of requests that started generating.", labels, registry=r)
+            Counter(
+                "nanoinfer:prompt_tokens",
+                "Prompt tokens of requests that started generating.",
+                labels,
+                registry=r,
+            )
         )
         self.generation_tokens = labelled(
             Counter("nanoinfer:generation_tokens", "Generated tokens.", labels, registry=r)
         )
         self._request_success = Counter(
-            "nanoinfer:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=r
+            "nanoinfer:request_success",
+            "Finished requests, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=r,
         )
         self._model_name = model_name
         self.time_to_first_token = labelled(

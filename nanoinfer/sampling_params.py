@@ -2,26 +2,177 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from enum import Enum
+
+# Temperatures below this are treated as greedy (vLLM's threshold): dividing logits by them only
+# amplifies rounding noise.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Largest number of top logprobs a request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+PENALTY_RANGE = 2.0
+_MASK64 = (1 << 64) - 1
+
+
+class RequestOutputKind(Enum):
+    """When the engine reports a request (vLLM's names). Streaming needs every step's cumulative
+    output; offline generation only the final one, which lets the engine skip per-step text work."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """A 63-bit seed derived from ``(seed, index)`` (splitmix64), so that nearby seeds or indices give
+    unrelated random streams: the seed of completion ``index`` of a request, or of its ``index``-th
+    sampling step."""
+    z = ((seed & _MASK64) ^ ((index + 1) * 0x9E3779B97F4A7C15)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_number(name: str, value: object, low: float, high: float, low_open: bool = False) -> float:
+    opening = "(" if low_open else "["
+    allowed = f"in {opening}{low:g}, {high:g}]"
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return float(value)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_optional_count(name: str, value: object, high: int) -> None:
+    if value is not None and (not _is_int(value) or not 0 <= value <= high):
+        raise ValueError(f"{name} must be None or an integer in [0, {high}], got {value!r}")
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy (argmax), deterministic
-    max_tokens: int = 16
+    """How to sample one request. Validated on construction; the engine takes a snapshot at
+    ``add_request``, so changing a params object afterwards does not affect running requests."""
+
+    n: int = 1  # completions per prompt; they share the prompt's KV blocks
+    temperature: float = 1.0  # 0 (or below 1e-5) means greedy (argmax), deterministic
+    top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens (ties at the k-th included); 0 or -1: all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the generated tokens
+    # Logits of tokens seen in the prompt or the output: positive ones divided by it, negative ones
+    # multiplied (so > 1 discourages repetition).
+    repetition_penalty: float = 1.0
+    # Makes the request's random draws reproducible whatever else runs in the same batch.
+    seed: int | None = None
+    stop: str | list[str] | None = None  # stop strings; normalized to a list
+    stop_token_ids: list[int] | None = None  # normalized to a list
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16  # None: until the context (max_model_len) is full
+    min_tokens: int = 0  # EOS, stop tokens and stop strings are ignored until this many tokens exist
     ignore_eos: bool = False
+    # Top logprobs returned per generated token, plus the sampled token's own (None: no logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        self.temperature = float(self.temperature)
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        self.temperature = 0.0 if self.temperature < GREEDY_TEMPERATURE_EPS else float(self.temperature)
+        self.top_p = _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be -1, 0 (both disable it) or a positive integer, got {self.top_k!r}"
+            )
+        self.min_p = _check_number("min_p", self.min_p, 0.0, 1.0)
+        if self.temperature == 0.0:
+            # The filters never change the argmax; resetting them (as vLLM does) keeps greedy rows on
+            # the short path.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.presence_penalty = _check_number(
+            "presence_penalty", self.presence_penalty, -PENALTY_RANGE, PENALTY_RANGE
+        )
+        self.frequency_penalty = _check_number(
+            "frequency_penalty", self.frequency_penalty, -PENALTY_RANGE, PENALTY_RANGE
+        )
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not math.isfinite(rep) or rep <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        self.repetition_penalty = float(rep)
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        self._check_stops()
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_optional_count("logprobs", self.logprobs, MAX_LOGPROBS)
+        _check_optional_count("prompt_logprobs", self.prompt_logprobs, MAX_LOGPROBS)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        # Read by the sampler for every row of every step: requests that only set a temperature
+        # take the short path.
+        self._temperature_only = not (
+            self.uses_top_k
+            or self.top_p < 1.0
+            or self.min_p > 0.0
+            or self.uses_penalties
+            or self.seed is not None
+            or self.logprobs is not None
+            or self.min_tokens > 0
+        )
+
+    def _check_stops(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(
+                f"stop must be None, a non-empty string or a list of non-empty strings, got {stop!r}"
+            )
+        self.stop = list(stop)
+        ids = self.stop_token_ids if self.stop_token_ids is not None else []
+        if not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be None or a list of integers >= 0, got {ids!r}")
+        self.stop_token_ids = list(ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def temperature_only(self) -> bool:
+        """No filter, penalty, seed, logprobs or min_tokens: sampling needs nothing but the temperature."""
+        return self._temperature_only

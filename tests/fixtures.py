@@ -7,46 +7,10 @@ import os
 
 import torch
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from nanoinfer.benchmarks.random_checkpoint import CHAT_TEMPLATE
+from nanoinfer.benchmarks.random_checkpoint import write_toy_tokenizer as build_tokenizer
 
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paged attention stores keys and values in fixed-size blocks.",
-    "Continuous batching lets new requests join a running batch.",
-    "Prefix caching reuses the KV cache of shared prompt prefixes.",
-    "What is the capital of France? The capital of France is Paris.",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20.",
-    "你好，世界！大语言模型推理引擎。 Emoji: 🚀🔥✨ café naïve",
-]
-
-
-def build_tokenizer(directory: str, vocab_size: int = 384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 20, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(directory)
-    return fast
+__all__ = ["CHAT_TEMPLATE", "build_model", "build_tokenizer"]
 
 
 def build_model(
@@ -60,6 +24,7 @@ def build_model(
     head_dim: int = 16,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    weight_std: float = 0.08,
     **extra,
 ) -> str:
     """Saves a random model plus the tiny tokenizer in ``directory``; returns the directory."""
@@ -92,6 +57,6 @@ def build_model(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+                p.normal_(0.0, weight_std if "embed" not in name else 1.0)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

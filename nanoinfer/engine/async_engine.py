@@ -5,14 +5,15 @@ commands (add, abort, inspect), runs one ``step()`` while any request is unfinis
 step's outputs to the asyncio side in one batch per event loop. Requests added while the engine runs
 join the batch at the next step. When there is nothing to do the thread blocks on its command queue.
 
-Only new token ids cross the thread boundary (the cumulative token list is rebuilt on the asyncio
-side), so streaming a long output costs O(1) per token instead of copying the whole list every step.
+Only new token ids cross the thread boundary (the asyncio side keeps the cumulative list), so the
+engine thread does per-step work proportional to the new tokens, not to the output so far.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -43,7 +44,10 @@ class StreamingCompletionOutput(CompletionOutput):
 
 
 class RequestStatsListener(Protocol):
-    """Receives per-request timings from the engine thread (e.g. to feed Prometheus metrics)."""
+    """Receives per-request timings on the engine thread (e.g. to feed Prometheus metrics).
+
+    The methods must be quick and must not raise: an exception there stops the engine loop.
+    """
 
     def on_prompt(self, num_prompt_tokens: int) -> None: ...
 
@@ -61,6 +65,9 @@ class _CompletionUpdate:
     new_token_ids: list[int]
     text: str
     finish_reason: str | None
+    stop_reason: int | str | None
+    new_logprobs: list | None  # one entry per new token, when logprobs were asked for
+    cumulative_logprob: float | None
 
 
 @dataclass
@@ -70,6 +77,30 @@ class _Update:
     completions: list[_CompletionUpdate]
     finished: bool
     num_cached_tokens: int
+    prompt_logprobs: list | None
+
+
+@dataclass
+class _CompletionState:
+    """The asyncio side's cumulative copy of one completion."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+
+    def apply(self, update: _CompletionUpdate) -> None:
+        self.token_ids.extend(update.new_token_ids)
+        self.text = update.text
+        self.finish_reason = update.finish_reason
+        self.stop_reason = update.stop_reason
+        if update.new_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(update.new_logprobs)
+        self.cumulative_logprob = update.cumulative_logprob
 
 
 class _Aborted:
@@ -135,10 +166,9 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._prompt: str | None = None
         self._prompt_token_ids: list[int] = []
+        self._prompt_logprobs: list | None = None
         self._num_cached_tokens = 0
-        self._token_ids: dict[int, list[int]] = {}
-        self._texts: dict[int, str] = {}
-        self._finish_reasons: dict[int, str | None] = {}
+        self._completions: dict[int, _CompletionState] = {}
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -149,8 +179,7 @@ class RequestStream:
         items = [await self._queue.get()]
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
-        prev_lens = {i: len(ids) for i, ids in self._token_ids.items()}
-        prev_texts = dict(self._texts)
+        prev = {i: (len(c.token_ids), c.text) for i, c in self._completions.items()}
         request_finished = False
         for item in items:
             if isinstance(item, BaseException):
@@ -158,33 +187,35 @@ class RequestStream:
                 raise item
             if item is _ABORTED:
                 request_finished = True
-                for index, reason in self._finish_reasons.items():
-                    if reason is None:
-                        self._finish_reasons[index] = "abort"
-                if not self._finish_reasons:
-                    self._token_ids[0], self._texts[0], self._finish_reasons[0] = [], "", "abort"
+                if not self._completions:
+                    self._completions[0] = _CompletionState()
+                for completion in self._completions.values():
+                    completion.finish_reason = completion.finish_reason or "abort"
                 break
             self._prompt, self._prompt_token_ids = item.prompt, item.prompt_token_ids
+            self._prompt_logprobs = item.prompt_logprobs
             self._num_cached_tokens = item.num_cached_tokens
             request_finished = item.finished
-            for c in item.completions:
-                self._token_ids.setdefault(c.index, []).extend(c.new_token_ids)
-                self._texts[c.index] = c.text
-                self._finish_reasons[c.index] = c.finish_reason
+            for update in item.completions:
+                self._completions.setdefault(update.index, _CompletionState()).apply(update)
         self.finished = request_finished
         outputs = []
-        for index in sorted(self._token_ids):
-            token_ids, text = self._token_ids[index], self._texts[index]
-            prev_text = prev_texts.get(index, "")
+        for index in sorted(self._completions):
+            c = self._completions[index]
+            prev_len, prev_text = prev.get(index, (0, ""))
             outputs.append(
                 StreamingCompletionOutput(
                     index=index,
-                    text=text,
-                    token_ids=list(token_ids),
-                    finish_reason=self._finish_reasons[index],
-                    # The detokenizer only appends, so the new text is the cumulative text's tail.
-                    text_delta=text[len(prev_text) :] if text.startswith(prev_text) else text,
-                    token_ids_delta=token_ids[prev_lens.get(index, 0) :],
+                    text=c.text,
+                    token_ids=list(c.token_ids),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                    # The engine's text only grows (held-back text is released, never rewritten), so
+                    # the new text is the cumulative text's tail.
+                    text_delta=c.text[len(prev_text) :] if c.text.startswith(prev_text) else c.text,
+                    token_ids_delta=c.token_ids[prev_len:],
                 )
             )
         return RequestOutput(
@@ -194,6 +225,7 @@ class RequestStream:
             outputs=outputs,
             finished=request_finished,
             num_cached_tokens=self._num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs,
         )
 
     def abort(self) -> None:
@@ -211,7 +243,9 @@ class AsyncLLM:
     engine is ready and re-raises the factory's exception if it fails.
     """
 
-    def __init__(self, engine_factory: Callable[[], LLMEngine], stats_listener: RequestStatsListener | None = None):
+    def __init__(
+        self, engine_factory: Callable[[], LLMEngine], stats_listener: RequestStatsListener | None = None
+    ):
         self.stats_listener = stats_listener
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Guards _dead so that no command is queued after the engine thread drained the queue for good.
@@ -280,7 +314,9 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative output (with deltas) after each step that advanced it.
 
-        Leaving the loop early (break, exception, cancellation) aborts the request.
+        Closing the generator early aborts the request. A cancellation while it waits for output does
+        that at once; after a ``break`` (or an exception in the loop body) it happens when asyncio
+        finalizes the abandoned generator, unless the loop runs under ``contextlib.aclosing(...)``.
         """
         stream = await self.add_request(request_id, prompt, params)
         try:
@@ -303,19 +339,16 @@ class AsyncLLM:
         After the engine stopped, returns the last stats it reported.
         """
         try:
-            future = self._submit_call(lambda engine: engine.stats())
+            return await asyncio.wrap_future(self._submit_call(self._take_stats))
         except EngineDeadError:
             return dict(self._last_stats)
-        stats = await asyncio.wrap_future(future)
-        return stats
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:
-        """Blocking version of :meth:`get_stats` for threads without an event loop."""
+        """Blocking version of :meth:`get_stats` for other threads (never the engine thread itself)."""
         try:
-            future = self._submit_call(lambda engine: engine.stats())
+            return self._submit_call(self._take_stats).result(timeout)
         except EngineDeadError:
             return dict(self._last_stats)
-        return future.result(timeout)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stops the engine thread: unfinished requests fail with EngineDeadError; the engine is closed."""
@@ -339,17 +372,19 @@ class AsyncLLM:
         return future
 
     def _abort(self, request_id: str, stream: RequestStream | None) -> None:
-        try:
+        with contextlib.suppress(EngineDeadError):  # a dead engine holds no requests
             self._submit(_AbortCommand(request_id, stream))
-        except EngineDeadError:
-            pass  # a dead engine holds no requests
 
     # -- the engine thread -----------------------------------------------------------------------------
+
+    def _take_stats(self, engine: LLMEngine) -> dict[str, int]:
+        self._last_stats = engine.stats()  # what get_stats answers once the engine has stopped
+        return dict(self._last_stats)
 
     def _run(self, engine_factory: Callable[[], LLMEngine], ready: concurrent.futures.Future) -> None:
         try:
             self._engine = engine_factory()
-            self._last_stats = self._engine.stats()
+            self._take_stats(self._engine)
         except BaseException as e:
             with self._lock:
                 self._dead = EngineDeadError(f"the engine failed to start: {e!r}")
@@ -408,8 +443,6 @@ class AsyncLLM:
             except Exception as e:
                 command.result.set_exception(e)
                 return
-            if isinstance(result, dict) and "num_kv_blocks_total" in result:
-                self._last_stats = dict(result)
             command.result.set_result(result)
         else:
             raise TypeError(f"unknown engine command {command!r}")
@@ -430,7 +463,18 @@ class AsyncLLM:
                 new_ids = list(c.token_ids[sent:])
                 tracked.num_sent_tokens[c.index] = sent + len(new_ids)
                 num_new += len(new_ids)
-                completions.append(_CompletionUpdate(c.index, new_ids, c.text, c.finish_reason))
+                new_logprobs = list(c.logprobs[sent:]) if c.logprobs is not None else None
+                completions.append(
+                    _CompletionUpdate(
+                        c.index,
+                        new_ids,
+                        c.text,
+                        c.finish_reason,
+                        c.stop_reason,
+                        new_logprobs,
+                        c.cumulative_logprob,
+                    )
+                )
             if num_new:
                 if listener is not None:
                     if tracked.first_token_time is None:
@@ -447,7 +491,12 @@ class AsyncLLM:
                     reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
                     listener.on_finished(reason, now - tracked.arrival_time)
             update = _Update(
-                output.prompt, output.prompt_token_ids, completions, output.finished, output.num_cached_tokens
+                output.prompt,
+                output.prompt_token_ids,
+                completions,
+                output.finished,
+                output.num_cached_tokens,
+                output.prompt_logprobs,
             )
             batches.setdefault(tracked.stream._loop, []).append((tracked.stream, update))
         for loop, items in batches.items():
@@ -458,7 +507,7 @@ class AsyncLLM:
         with self._lock:
             self._dead = error
         try:
-            self._last_stats = engine.stats()
+            self._take_stats(engine)
         except Exception:
             logger.exception("engine.stats() failed while stopping")
         for tracked in self._tracked.values():
@@ -486,10 +535,8 @@ def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:
         for stream, item in items:
             stream._queue.put_nowait(item)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read these outputs
         loop.call_soon_threadsafe(put_all)
-    except RuntimeError:
-        pass  # the loop is closed: nobody is left to read these outputs
 
 
 def _resolve(future: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
@@ -501,7 +548,5 @@ def _resolve(future: asyncio.Future, value: Any = None, error: BaseException | N
         else:
             future.set_result(value)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
         future.get_loop().call_soon_threadsafe(settle)
-    except RuntimeError:
-        pass  # the loop is closed

@@ -65,8 +65,9 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of ``seq``. Only full blocks qualify, and at
         least one token is always left to compute (the model must produce logits for the last one),
-        so a block-aligned prompt that is cached whole still recomputes its last block."""
-        if not self.enable_prefix_caching:
+        so a block-aligned prompt that is cached whole still recomputes its last block. A sequence
+        that needs every prompt position's logits (prompt logprobs) opts out with skip_prefix_cache."""
+        if not self.enable_prefix_caching or seq.skip_prefix_cache:
             return []
         matched: list[int] = []
         prefix_hash = NO_HASH

@@ -30,9 +30,24 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Appends one generated token; returns the newly completed text (possibly empty)."""
         self._ids.append(token_id)
+        return self.flush()
+
+    def defer_token(self, token_id: int) -> None:
+        """Appends a token without decoding it yet: the next :meth:`flush` or :meth:`add_token` decodes
+        all deferred tokens in one window, which is much cheaper than one decode pair per token."""
+        self._ids.append(token_id)
+
+    def flush(self, final: bool = False) -> str:
+        """Decodes the tokens added since the text was last advanced; returns the new text. With
+        ``final`` no more tokens will come, so a trailing incomplete character is dropped and the rest
+        emitted (instead of all of it being held back)."""
         emitted = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
-        if len(window) <= len(emitted) or window.endswith(_INCOMPLETE):
+        if final:
+            window = window.rstrip(_INCOMPLETE)
+        elif window.endswith(_INCOMPLETE):
+            return ""
+        if len(window) <= len(emitted):
             return ""
         delta = window[len(emitted) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)

@@ -54,7 +54,8 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) + len(scheduled) < self.max_num_seqs:
+        # Admitted sequences join `running` as they are scheduled, so its length is the batch so far.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached: list[int] = []
             if not seq.block_table:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from enum import Enum, auto
 from itertools import count
 
+import numpy as np
+
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -14,12 +16,39 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+class TokenArray:
+    """An append-only int64 array (amortized O(1) append) whose filled part is a numpy view."""
+
+    def __init__(self, capacity: int = 64):
+        self._data = np.empty(capacity, dtype=np.int64)
+        self._size = 0
+
+    def append(self, token_id: int) -> None:
+        if self._size == len(self._data):
+            self._data = np.concatenate([self._data, np.empty_like(self._data)])
+        self._data[self._size] = token_id
+        self._size += 1
+
+    def view(self) -> np.ndarray:
+        return self._data[: self._size]
+
+
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, request_id: str = ""):
+    def __init__(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        block_size: int,
+        request_id: str = "",
+        index: int = 0,
+        seed: int | None = None,
+    ):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
+        self.index = index  # which of the request's n completions this is
+        self.seed = seed  # this completion's own seed (each of n siblings differs), or None
         self.params = params
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
@@ -33,6 +62,13 @@ class Sequence:
         # Prompt tokens served by the prefix cache at first allocation; -1 until allocated.
         self.num_cached_prompt_tokens = -1
         self.finish_reason: str | None = None
+        # While set, the block manager must not serve this sequence's prompt from the prefix cache: its
+        # prompt logprobs need the logits of every prompt position.
+        self.skip_prefix_cache = False
+        # Penalties read the generated tokens every step; a numpy copy kept up to date avoids rebuilding one
+        # from the token list each time. Repetition penalty also needs the prompt's distinct tokens.
+        self.output_token_array = TokenArray() if params.uses_penalties else None
+        self.distinct_prompt_ids = np.unique(token_ids) if params.repetition_penalty != 1.0 else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -75,3 +111,5 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.output_token_array is not None:
+            self.output_token_array.append(token_id)

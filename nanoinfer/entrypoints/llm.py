@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import count
 from typing import Any
 
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 
 from nanoinfer.engine.llm_engine import LLMEngine, PromptType
 from nanoinfer.outputs import RequestOutput
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -57,7 +58,8 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list):
                 request_id = str(next(self._request_ids))
-                engine.add_request(request_id, prompt, params)
+                # Only final outputs are collected here, so the engine need not build per-step ones.
+                engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:

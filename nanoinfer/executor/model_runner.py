@@ -9,7 +9,16 @@ import numpy as np
 import torch
 
 from nanoinfer.config import EngineConfig
+from nanoinfer.distributed import (
+    all_reduce_min,
+    check_tensor_parallel_size,
+    connect_store,
+    destroy_process_group,
+    init_process_group,
+    tensor_parallel_scope,
+)
 from nanoinfer.executor.batch import ModelInput
+from nanoinfer.executor.tp_worker import TensorParallelWorkers, WorkerBatch, slim_model_input
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.checkpoint import load_weights
@@ -28,21 +37,66 @@ def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    """One tensor-parallel rank's model, KV pool and CUDA graphs.
+
+    Rank 0 is built by the engine; with ``tensor_parallel_size > 1`` it starts ranks 1..N-1 itself (see
+    :mod:`nanoinfer.executor.tp_worker`), hands them every batch at the start of :meth:`execute`, and
+    stops them in :meth:`close`. Workers are built with their ``rank`` and rank 0's ``store_port``.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0, store_port: int | None = None):
         self.config = config
         self.rank = rank
+        self.tp_size = config.tensor_parallel_size
         self.block_size = config.kvcache_block_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.dtype = config.torch_dtype
+        self.workers = None  # rank 0's handle on the other ranks
+        self.owns_process_group = False  # a worker's own process group
+        self.model = None
+        self.kv_cache = None
+        self.attention_layers = []
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        hf = config.hf_config
+        try:
+            self._start_tensor_parallel(store_port)
+            self._build()
+        except BaseException:
+            # Leaves no worker process or process group behind; the workers are stopped at once (a
+            # graceful stop would wait for workers that are stuck in a collective with this rank).
+            if self.workers is not None:
+                self.workers.stop(graceful=False)
+                self.workers = None
+            self.close()
+            raise
 
+    def _start_tensor_parallel(self, store_port: int | None) -> None:
+        if self.tp_size == 1:
+            return
+        check_tensor_parallel_size(self.config.hf_config, self.tp_size)
+        if self.rank == 0:
+            if self.device.type == "cuda" and torch.cuda.device_count() < self.tp_size:
+                raise ValueError(
+                    f"tensor_parallel_size={self.tp_size} needs one GPU per rank, but "
+                    f"{torch.cuda.device_count()} are visible"
+                )
+            self.workers = TensorParallelWorkers(self.config)
+            # The workers attach to the channel as soon as they have started: a worker that fails to
+            # start is reported here rather than after the rendezvous's timeout.
+            self.workers.wait_ready()
+            self.workers.init_process_group(self.device)
+        else:
+            init_process_group(connect_store(store_port, self.tp_size), self.rank, self.tp_size, self.device)
+            self.owns_process_group = True
+
+    def _build(self) -> None:
+        config = self.config
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with self.device:
-                self.model = DecoderForCausalLM(hf, max_position=config.max_model_len)
+            with self.device, tensor_parallel_scope(self.rank, self.tp_size):
+                self.model = DecoderForCausalLM(config.hf_config, max_position=config.max_model_len)
         finally:
             torch.set_default_dtype(previous_dtype)
         load_weights(self.model, config.model, self.dtype)
@@ -56,17 +110,24 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
 
         first = self.attention_layers[0]
-        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim  # this rank's share
         if self.device.type == "cuda":
             self._warmup()
         self.num_kv_blocks = self._decide_num_kv_blocks()
         self._allocate_kv_cache()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Every rank captures the same graphs, so collectives inside them pair up on replay.
         if self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton":
             self._capture_cuda_graphs()
 
     def close(self) -> None:
-        """Drops the graphs, the KV pool and the model so their device memory can be reused."""
+        """Stops the tensor-parallel workers (rank 0), leaves the process group, and drops the graphs,
+        the KV pool and the model so their device memory can be reused. Idempotent."""
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
+        if self.owns_process_group:
+            self.owns_process_group = False
+            destroy_process_group()
         self.graphs.clear()
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
@@ -94,7 +155,8 @@ class ModelRunner:
         meta = self._metadata(True, [list(range(seq_len))] * num_seqs, [[]] * num_seqs, rows)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
-        self.sampler.sample_tokens(logits, torch.ones(num_seqs, device=self.device), self.generator)
+        if logits is not None:  # None on tensor-parallel workers: rank 0 samples
+            self.sampler.sample_tokens(logits, torch.ones(num_seqs, device=self.device), self.generator)
         torch.cuda.synchronize()
 
     def _decide_num_kv_blocks(self) -> int:
@@ -116,6 +178,10 @@ class ModelRunner:
         # More blocks than every sequence could fill at full length are never used.
         useful = cfg.max_num_seqs * (cfg.max_blocks_per_seq + 1)
         num_blocks = min(int(budget) // self.kv_block_bytes, useful)
+        if self.tp_size > 1:
+            # Every rank must address the same pool: take the smallest (before the check, so that all
+            # ranks raise together rather than one leaving the others in a collective).
+            num_blocks = all_reduce_min(num_blocks, self.device)
         if num_blocks < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache (budget {int(budget)} bytes, one block needs "
@@ -125,7 +191,8 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self) -> None:
-        shape = (2, len(self.attention_layers), self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        num_layers = len(self.attention_layers)
+        shape = (2, num_layers, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -137,7 +204,7 @@ class ModelRunner:
         q_lens = [len(t) for t in token_rows]
         seq_lens = [p[-1] + 1 if p else 0 for p in positions_per_row]
         slots = []
-        for pos, table in zip(positions_per_row, block_tables):
+        for pos, table in zip(positions_per_row, block_tables, strict=True):
             if table:
                 pos_arr = np.asarray(pos)
                 slots.append(np.asarray(table)[pos_arr // bs] * bs + pos_arr % bs)
@@ -161,14 +228,19 @@ class ModelRunner:
     # -- execution -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> list[int]:
-        """Runs one batch; returns one sampled token per row with ``sample`` set, in row order."""
+    def execute(self, batch: ModelInput | WorkerBatch) -> list[int]:
+        """Runs one batch; returns one sampled token per row with ``sample`` set, in row order (on rank 0;
+        other ranks return []). Rank 0 first hands the batch to the tensor-parallel workers."""
+        if self.workers is not None:
+            self.workers.send(slim_model_input(batch))
         rows = batch.rows
         positions_per_row = [range(r.start_pos, r.start_pos + len(r.token_ids)) for r in rows]
         token_ids = [t for r in rows for t in r.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor([p for ps in positions_per_row for p in ps], dtype=torch.long, device=self.device)
-        meta = self._metadata(batch.is_prefill, positions_per_row, [r.block_table for r in rows], [r.token_ids for r in rows])
+        flat_positions = [p for ps in positions_per_row for p in ps]
+        positions = torch.tensor(flat_positions, dtype=torch.long, device=self.device)
+        tables, token_rows = [r.block_table for r in rows], [r.token_ids for r in rows]
+        meta = self._metadata(batch.is_prefill, positions_per_row, tables, token_rows)
 
         graph_bs = next((b for b in self.graphs if b >= len(rows)), None) if not batch.is_prefill else None
         if graph_bs is not None:
@@ -177,30 +249,33 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
 
         sample_rows = [i for i, r in enumerate(rows) if r.sample]
-        if not sample_rows:
-            return []
-        last_token_index = meta.query_start_loc[1:] - 1
-        index = last_token_index[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden[index])
-        if logits is None:  # tensor-parallel worker: rank 0 samples
-            return []
-        return self.sampler(logits, [rows[i] for i in sample_rows], self.generator)
+        # Like compute_logits below, prompt logprobs (logits of prompt positions) run on every
+        # tensor-parallel rank; both give None on the workers.
+        prompt_logprobs = self.sampler.prompt_logprobs(hidden, rows, self.model.compute_logits)
+        logits = None
+        if sample_rows:
+            last_token_index = meta.query_start_loc[1:] - 1
+            index = last_token_index[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden[index])
+        # logits is None when no row samples, and on tensor-parallel workers (rank 0 samples).
+        return self.sampler(logits, [rows[i] for i in sample_rows], self.generator, prompt_logprobs)
 
     # -- CUDA graphs -----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def _capture_cuda_graphs(self) -> None:
-        sizes = cuda_graph_batch_sizes(self.config.max_num_seqs)
+        cfg = self.config
+        sizes = cuda_graph_batch_sizes(cfg.max_num_seqs)
         max_bs = sizes[-1]
         dev = self.device
-        hidden_size = self.config.hf_config.hidden_size
+        hidden_size = cfg.hf_config.hidden_size
         self.graph_inputs = {
             "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
             "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
             # One column beyond max_model_len's blocks: decode can need a block a prompt-sized table lacks.
-            "block_tables": torch.zeros(max_bs, self.config.max_blocks_per_seq + 1, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, cfg.max_blocks_per_seq + 1, dtype=torch.int32, device=dev),
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             "hidden": torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=dev),
         }

@@ -6,7 +6,6 @@ A token's *slot* is ``block_id * block_size + offset``; ``slot_mapping`` holds o
 """
 
 import torch
-import torch.nn.functional as F
 
 
 def store_kvcache_ref(
@@ -31,6 +30,20 @@ def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) 
     return cache[blocks].flatten(0, 1)[:seq_len]
 
 
+def _grouped_attention(q, k, v, mask, scale):
+    """q: [..., n, Hq, D]; k, v: [..., L, Hkv, D]; mask: broadcastable to [..., Hkv, group, n, L]."""
+    *lead, n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[-2]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(*lead, n, num_kv_heads, group, head_dim).movedim(-4, -2)  # [..., Hkv, group, n, D]
+    kt = k.movedim(-3, -1).unsqueeze(-3)  # [..., Hkv, 1, D, L]
+    scores = (qg @ kt) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows (padding) give zeros
+    out = probs @ v.movedim(-3, -2).unsqueeze(-3)  # [..., Hkv, group, n, D]
+    return out.movedim(-2, -4).reshape(*lead, n, num_heads, head_dim)
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows grouped by sequence
     k_cache: torch.Tensor,
@@ -46,9 +59,12 @@ def paged_attention_ref(
     ``seq_lens[b] - q_len + i`` and sees keys ``0..position``. Decode is the case ``q_len == 1``;
     prefill with a cached prefix or a later chunk is ``q_len < seq_lens[b]``. Math in float32.
     """
-    out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    batch = len(lens)
+    if query.shape[0] == batch == starts[-1]:  # one query per sequence (decode): one batched computation
+        return _decode_ref(query, k_cache, v_cache, seq_lens, block_tables, max(lens), scale)
+    out = torch.zeros_like(query)
     for b, seq_len in enumerate(lens):
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
@@ -56,17 +72,24 @@ def paged_attention_ref(
             continue
         k = gather_kv_ref(k_cache, block_tables[b], seq_len).float()
         v = gather_kv_ref(v_cache, block_tables[b], seq_len).float()
-        q = query[q_start:q_end].float()
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [heads, q_len, D]
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
+        out[q_start:q_end] = _grouped_attention(query[q_start:q_end].float(), k, v, mask, scale).to(
+            query.dtype
         )
-        out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)
     return out
+
+
+def _decode_ref(query, k_cache, v_cache, seq_lens, block_tables, max_len, scale):
+    if max_len == 0:
+        return torch.zeros_like(query)
+    block_size = k_cache.shape[1]
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks].long()
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].float()  # [batch, max_len, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].float()
+    k_pos = torch.arange(max_len, device=query.device)
+    mask = (k_pos[None, :] < seq_lens[:, None]).view(-1, 1, 1, 1, max_len)  # [batch, Hkv, group, 1, L]
+    out = _grouped_attention(query.float().unsqueeze(1), k, v, mask, scale)  # [batch, 1, Hq, D]
+    return out.squeeze(1).to(query.dtype)

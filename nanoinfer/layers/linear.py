@@ -1,11 +1,14 @@
 """Linear layers that know how they are split across tensor-parallel ranks.
 
-Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)`` that copies this
-rank's slice of a checkpoint tensor into place, so fusing (q/k/v -> qkv, gate/up -> gate_up) and
-sharding both happen at load time, in one place.
+Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies this rank's slice
+of a checkpoint tensor into place, so fusing (q/k/v -> qkv, gate/up -> gate_up) and sharding both
+happen at load time, in one place. ``loaded`` is a tensor or a lazy safetensors slice
+(``safe_open(...).get_slice(name)``); from a slice only this rank's rows or columns are read.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +23,42 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def loaded_shape(loaded: Any) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def read_slice(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """``loaded.narrow(dim, start, size)``, reading only that part when ``loaded`` is a lazy slice."""
+    shape = loaded_shape(loaded)
+    if start < 0 or start + size > shape[dim]:
+        raise ValueError(
+            f"checkpoint tensor of shape {shape} has no rows [{start}, {start + size}) along dim {dim}"
+        )
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(start, start + size)
+    return loaded[tuple(index)]
+
+
+def read_all(loaded: Any) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def copy_checked(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)`` without broadcasting: a shape mismatch is a checkpoint error."""
+    if target.shape != source.shape:
+        raise ValueError(
+            f"checkpoint tensor shard of shape {tuple(source.shape)} does not match the parameter shard "
+            f"of shape {tuple(target.shape)}"
+        )
+    target.copy_(source)
+
+
 class _ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
         super().__init__()
+        # Captured at build time: the layer stays valid whatever scope is open later.
         self.tp_rank, self.tp_size, self.tp_dim = tp_rank(), tp_size(), tp_dim
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -32,11 +68,12 @@ class _ParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if self.tp_dim is not None and self.tp_dim < loaded.dim():
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id=None) -> None:
+        if self.tp_dim is not None and self.tp_dim < len(loaded_shape(loaded)):
             size = param.size(self.tp_dim)
-            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
-        param.data.copy_(loaded)
+            copy_checked(param.data, read_slice(loaded, self.tp_dim, self.tp_rank * size, size))
+        else:
+            copy_checked(param.data, read_all(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -56,17 +93,19 @@ class ColumnParallelLinear(_ParallelLinear):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of one input fused into one matmul (gate_up_proj)."""
+    """Several column-parallel projections of one input fused into one matmul (gate_up_proj): each rank
+    holds its slice of every projection, one after the other."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        for size in output_sizes:
+            _divide(size, tp_size(), "output features")
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        loaded = loaded.narrow(0, self.tp_rank * size, size)
-        param.data.narrow(0, offset, size).copy_(loaded)
+        copy_checked(param.data.narrow(0, offset, size), read_slice(loaded, 0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -86,15 +125,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
         super().__init__(hidden_size, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
             offset, size, index = 0, q_size, self.tp_rank
-        else:
+        elif shard_id in ("k", "v"):
             offset = q_size if shard_id == "k" else q_size + kv_size
+            # Rank r's query heads all belong to KV head r // kv_replicas (heads are grouped in order).
             size, index = kv_size, self.tp_rank // self.kv_replicas
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, index * size, size))
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}; expected 'q', 'k' or 'v'")
+        copy_checked(param.data.narrow(0, offset, size), read_slice(loaded, 0, index * size, size))
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -104,13 +146,9 @@ class RowParallelLinear(_ParallelLinear):
         in_per_rank = _divide(in_features, tp_size(), "input features")
         super().__init__(in_per_rank, out_features, bias, tp_dim=1)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.dim() == 1:  # the bias is added once, after the reduction: not split
-            param.data.copy_(loaded)
-            return
-        super().weight_loader(param, loaded, shard_id)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Only rank 0 adds the bias so the all-reduce sums it once.
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        # Only rank 0 adds the bias, so that the sum contains it once.
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)

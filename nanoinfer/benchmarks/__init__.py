@@ -1,0 +1,1 @@
+"""Benchmarks: `throughput` (the engine alone) and `serve` (a running OpenAI-compatible server)."""

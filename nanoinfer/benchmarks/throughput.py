@@ -1,0 +1,330 @@
+"""Offline throughput: nano-vLLM's published benchmark workload, plus an optional side-by-side with
+transformers, the workload's physical bound, single-sequence decode latency and a decode-step profile.
+
+Workload (nano-vLLM's bench.py): random.seed(0); 256 sequences of randint(100, 1024) random token ids
+in [0, 10000]; max_tokens randint(100, 1024); temperature 0.6; ignore_eos; one warm-up request first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint directory or .gguf file")
+    parser.add_argument(
+        "--random-shape",
+        choices=["qwen3-0.6b", "qwen3-8b"],
+        help="benchmark a random-weight checkpoint of this shape (written to a temp dir) instead of --model",
+    )
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-input-len", type=int, default=100)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--min-output-len", type=int, default=100)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--workload-seed", type=int, default=0, help="random.seed of the workload")
+    parser.add_argument("--hf-compare", type=int, default=0, metavar="N", help="also time transformers on N seqs")
+    parser.add_argument("--bound", action="store_true", help="measure bandwidth/FLOPs and print the bound")
+    parser.add_argument("--tpot", action="store_true", help="single-sequence decode latency (512 in, 256 out)")
+    parser.add_argument("--profile", action="store_true", help="time breakdown of one decode step at batch 256")
+    parser.add_argument("--result-file", help="write the results as JSON here")
+    add_engine_args(parser)
+
+
+def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    """Exactly nano-vLLM's generator order: all prompts first, then all output lengths."""
+    random.seed(args.workload_seed)
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
+        for _ in range(args.num_seqs)
+    ]
+    max_tokens = [random.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
+    return prompts, max_tokens
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _hardware() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()} CPU x{os.cpu_count()}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from nanoinfer import LLM, SamplingParams
+
+    if not args.model and not args.random_shape:
+        raise SystemExit("give --model PATH or --random-shape NAME")
+    model = args.model
+    if args.random_shape:
+        from nanoinfer.benchmarks.random_checkpoint import write_random_qwen3
+
+        model = tempfile.mkdtemp(prefix=f"nanoinfer-{args.random_shape}-")
+        started = time.perf_counter()
+        write_random_qwen3(model, args.random_shape, device="cuda" if torch.cuda.is_available() else "cpu")
+        print(f"wrote random {args.random_shape} checkpoint in {time.perf_counter() - started:.1f}s")
+
+    prompts, max_tokens = make_workload(args)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    started = time.perf_counter()
+    llm = LLM(model, **engine_kwargs_from_args(args))
+    startup_s = time.perf_counter() - started
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+
+    started = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    output_tokens = sum(max_tokens)
+    result: dict[str, Any] = {
+        "benchmark": "throughput",
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": _git_commit(),
+        "hardware": _hardware(),
+        "model": args.random_shape or model,
+        "num_seqs": args.num_seqs,
+        "input_tokens": sum(map(len, prompts)),
+        "output_tokens": output_tokens,
+        "seconds": round(elapsed, 3),
+        "output_tok_per_s": round(output_tokens / elapsed, 1),
+        "startup_s": round(startup_s, 1),
+        "engine": {k: str(v) for k, v in engine_kwargs_from_args(args).items()},
+        "engine_stats": llm.engine_stats(),
+    }
+    print(f"Total: {output_tokens} tok, Time: {elapsed:.2f}s, Throughput: {output_tokens / elapsed:.2f} tok/s")
+
+    if args.tpot:
+        result["single_sequence"] = single_sequence_latency(llm)
+    if args.profile:
+        result["decode_step_profile"] = profile_decode_step(llm)
+    if args.bound:
+        result["bound"] = physical_bound(llm, prompts, max_tokens)
+    if args.hf_compare:
+        result["hf_compare"] = compare_with_transformers(llm, model, prompts, max_tokens, args)
+    llm.close()
+    _print_table(result)
+    if args.result_file:
+        os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
+        with open(args.result_file, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def single_sequence_latency(llm) -> dict[str, float]:
+    """TTFT and TPOT of one greedy sequence: 512 prompt tokens, 256 output tokens."""
+    from nanoinfer import SamplingParams
+
+    rng = random.Random(1)
+    prompt = [[rng.randint(0, 10000) for _ in range(512)]]
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ttfts = []
+    for _ in range(3):
+        started = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        ttfts.append(time.perf_counter() - started)
+    ttft = min(ttfts)
+    started = time.perf_counter()
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True), use_tqdm=False)
+    total = time.perf_counter() - started
+    return {"ttft_ms": round(ttft * 1e3, 3), "tpot_ms": round((total - ttft) / 255 * 1e3, 3)}
+
+
+def profile_decode_step(llm, batch: int = 256, context: int = 1024) -> dict[str, Any]:
+    """Where the time of one decode step goes at ``batch`` sequences of ``context`` tokens: GPU kernels
+    by category (from the profiler) and the host-side remainder (scheduling, input prep, sampling glue)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanoinfer import SamplingParams
+
+    engine = llm.llm_engine
+    rng = random.Random(2)
+    params = SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"profile-{i}", [rng.randint(0, 10000) for _ in range(context)], params)
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 10
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - started) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    categories: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+        if device_us <= 0:
+            continue
+        name = event.key.lower()
+        if "attention" in name or "decode" in name or "lse" in name or "kvcache" in name:
+            category = "attention"
+        elif any(k in name for k in ("gemm", "nvjet", "cutlass", "matmul", "sm90", "gemv", "splitk")):
+            category = "gemm"
+        elif any(k in name for k in ("exponential", "softmax", "argmax", "max_kernel", "reduce")):
+            category = "sampler_and_reductions"
+        else:
+            category = "other_elementwise"
+        categories[category] = categories.get(category, 0.0) + device_us / steps / 1e3
+    for request_id in [f"profile-{i}" for i in range(batch)]:
+        engine.abort_request(request_id)
+    gpu_ms = sum(categories.values())
+    return {
+        "batch": batch,
+        "context": context,
+        "step_ms": round(step_ms, 3),
+        "gpu_ms_by_category": {k: round(v, 3) for k, v in sorted(categories.items())},
+        "gpu_ms_total": round(gpu_ms, 3),
+        "host_only_ms": round(max(step_ms - gpu_ms, 0.0), 3),
+        "top_kernels": [
+            (e.key[:80], round((getattr(e, "self_device_time_total", 0) or 0) / steps / 1e3, 3))
+            for e in sorted(
+                prof.key_averages(), key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0)
+            )[:12]
+        ],
+    }
+
+
+def physical_bound(llm, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, float]:
+    """Lower bound on the workload's time: each decode step reads the weights once plus every active
+    sequence's KV at the measured copy bandwidth; prefill does its FLOPs at the measured bf16 matmul rate."""
+    import torch
+
+    runner = llm.llm_engine.model_runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_per_token = runner.kv_block_bytes // runner.block_size
+    num_params = sum(p.numel() for p in runner.model.parameters())
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    copy_bw = 2 * x.numel() * 20 / (time.perf_counter() - started)  # read + write bytes per second
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    a @ b
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    matmul_flops = 2 * 8192**3 * 10 / (time.perf_counter() - started)
+    del a, b
+
+    decode_bytes = 0.0
+    for t in range(max(max_tokens)):
+        active = [(len(p), n) for p, n in zip(prompts, max_tokens) if n > t]
+        decode_bytes += weight_bytes + sum((p + t) * kv_per_token for p, _ in active)
+    prefill_flops = sum(2 * num_params * len(p) for p in prompts)
+    decode_s = decode_bytes / copy_bw
+    prefill_s = prefill_flops / matmul_flops
+    return {
+        "copy_bandwidth_TBps": round(copy_bw / 1e12, 3),
+        "bf16_matmul_TFLOPs": round(matmul_flops / 1e12, 1),
+        "decode_s": round(decode_s, 3),
+        "prefill_s": round(prefill_s, 3),
+        "bound_tok_per_s": round(sum(max_tokens) / (decode_s + prefill_s), 1),
+    }
+
+
+def compare_with_transformers(llm, model: str, prompts, max_tokens, args) -> dict[str, float]:
+    """nanoinfer vs transformers' generate on the first N sequences (transformers pads the batch and runs
+    every row to the longest max_tokens; both are credited with the same useful tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nanoinfer import SamplingParams
+
+    n = args.hf_compare
+    sub_prompts, sub_max = prompts[:n], max_tokens[:n]
+    useful = sum(sub_max)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in sub_max]
+    started = time.perf_counter()
+    llm.generate(sub_prompts, params, use_tqdm=False)
+    ours = time.perf_counter() - started
+    llm.close()
+    torch.cuda.empty_cache()
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    width = max(map(len, sub_prompts))
+    ids = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for i, p in enumerate(sub_prompts):  # left padding
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    gen_kwargs = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=max(sub_max))
+    with torch.inference_mode():
+        hf.generate(ids[:1, -16:].cuda(), attention_mask=mask[:1, -16:].cuda(), max_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        hf.generate(ids.cuda(), attention_mask=mask.cuda(), min_new_tokens=max(sub_max), **gen_kwargs)
+        torch.cuda.synchronize()
+        theirs = time.perf_counter() - started
+    return {
+        "num_seqs": n,
+        "useful_output_tokens": useful,
+        "nanoinfer_s": round(ours, 3),
+        "transformers_s": round(theirs, 3),
+        "nanoinfer_tok_per_s": round(useful / ours, 1),
+        "transformers_tok_per_s": round(useful / theirs, 1),
+        "speedup": round(theirs / ours, 2),
+    }
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    rows = [
+        ("hardware", result["hardware"]),
+        ("model", result["model"]),
+        ("sequences", result["num_seqs"]),
+        ("output tokens", result["output_tokens"]),
+        ("seconds", result["seconds"]),
+        ("output tok/s", result["output_tok_per_s"]),
+    ]
+    if "bound" in result:
+        rows.append(("bound tok/s", result["bound"]["bound_tok_per_s"]))
+    if "single_sequence" in result:
+        rows += [("TTFT ms (512 in)", result["single_sequence"]["ttft_ms"])]
+        rows += [("TPOT ms (256 out)", result["single_sequence"]["tpot_ms"])]
+    if "hf_compare" in result:
+        rows.append((f"vs transformers ({result['hf_compare']['num_seqs']} seqs)", f"{result['hf_compare']['speedup']}x"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    return run(parser.parse_args(argv))

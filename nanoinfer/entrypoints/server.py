@@ -1,0 +1,496 @@
+"""An OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of AsyncLLM.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming over server-sent events or
+not), GET /v1/models, GET /health, GET /metrics (Prometheus). Prompts are tokenized here, on the event
+loop, so that the engine thread only runs the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from nanoinfer.engine.async_engine import AsyncLLM, EngineDeadError, RequestStream
+from nanoinfer.entrypoints import openai_protocol as protocol
+from nanoinfer.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from nanoinfer.metrics import ServingMetrics
+from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from nanoinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
+# OpenAI's default for /v1/completions; chat requests default to the rest of the context instead.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# After SIGINT/SIGTERM, responses still streaming this long are cancelled (which aborts their requests).
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+
+
+class OpenAIServer:
+    """The FastAPI app (``.app``) serving one AsyncLLM under one or more model names."""
+
+    def __init__(
+        self,
+        async_llm: AsyncLLM,
+        served_model_names: list[str],
+        api_key: str | None = None,
+        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        tokenizer: Any = None,
+    ):
+        if not served_model_names or not all(isinstance(n, str) and n for n in served_model_names):
+            raise ValueError(f"served_model_names must be non-empty strings, got {served_model_names!r}")
+        if not isinstance(max_request_body_bytes, int) or max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes must be an integer >= 1, got {max_request_body_bytes!r}"
+            )
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be a non-empty string or None")
+        self.async_llm = async_llm
+        self.served_model_names = list(served_model_names)
+        self.api_key = api_key
+        self.max_request_body_bytes = max_request_body_bytes
+        config = async_llm.config
+        self.model_path = config.model
+        self.max_model_len = config.max_model_len
+        if tokenizer is None:
+            from nanoinfer.models.checkpoint import load_tokenizer
+
+            # A tokenizer of our own: the engine thread uses the engine's concurrently.
+            tokenizer = load_tokenizer(config.model, config.tokenizer)
+        self.tokenizer = tokenizer
+        self.metrics = ServingMetrics(self.served_model_names[0])
+        async_llm.stats_listener = self.metrics
+        self.app = self._build_app()
+
+    # -- app ------------------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="nanoinfer", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(APIError)
+        async def api_error(_: Request, e: APIError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status_code)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+            body = protocol.error_body(str(e.detail), "invalid_request_error")
+            return JSONResponse(body, status_code=e.status_code, headers=e.headers)
+
+        @app.exception_handler(Exception)
+        async def internal_error(_: Request, e: Exception) -> JSONResponse:
+            logger.exception("unhandled error while serving a request")
+            return JSONResponse(protocol.error_body(f"internal server error: {e!r}", "server_error"), 500)
+
+        @app.get("/health")
+        async def health() -> Response:
+            if self.async_llm.is_healthy:
+                return JSONResponse({"status": "ok"})
+            return JSONResponse(protocol.error_body(str(self.async_llm.error), "server_error"), 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            self.metrics.update_engine_stats(await self.async_llm.get_stats())
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> JSONResponse:
+            self._authorize(request)
+            cards = [
+                protocol.model_card(n, self.model_path, self.max_model_len) for n in self.served_model_names
+            ]
+            return JSONResponse({"object": "list", "data": cards})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self._generate(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await self._generate(request, chat=True)
+
+        return app
+
+    # -- request checks ---------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                "missing or invalid API key: send it as 'Authorization: Bearer <key>'",
+                status_code=401,
+                code="invalid_api_key",
+            )
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.max_request_body_bytes
+        too_large = APIError(
+            f"the request body is larger than the limit of {limit} bytes",
+            status_code=413,
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _model_name(self, requested: str | None) -> str:
+        if requested is None:
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise APIError(
+                f"the model `{requested}` does not exist; this server serves {self.served_model_names}",
+                status_code=404,
+                param="model",
+                code="model_not_found",
+            )
+        return requested
+
+    def _prompt_token_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        if isinstance(request, ChatCompletionRequest):
+            messages = [m.template_input() for m in request.messages]
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **(request.chat_template_kwargs or {}),
+                )
+            except Exception as e:  # a template error, or chat_template_kwargs it cannot take
+                raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+            # The template already contains every special token the model expects.
+            return [self.tokenizer.encode(text, add_special_tokens=False)]
+        # Text is tokenized exactly as LLMEngine.add_request tokenizes it.
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
+
+    def _sampling_params(
+        self, request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int
+    ) -> SamplingParams:
+        limit = self.max_model_len
+        prompt_field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+        if num_prompt_tokens >= limit:
+            raise APIError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens, leaving no room to generate",
+                param=prompt_field,
+                code="context_length_exceeded",
+            )
+        max_tokens = request.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = (
+                DEFAULT_COMPLETION_MAX_TOKENS if prompt_field == "prompt" else limit - num_prompt_tokens
+            )
+        if num_prompt_tokens + max_tokens > limit:
+            raise APIError(
+                f"this model's maximum context length is {limit} tokens, but "
+                f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens} to generate); "
+                "shorten the prompt or lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return request.sampling_params(max_tokens)
+
+    def _decode_token(self, token_id: int, logprob: Logprob) -> str:
+        if logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    # -- generation -------------------------------------------------------------------------------------
+
+    async def _generate(self, raw_request: Request, chat: bool) -> Response:
+        self._authorize(raw_request)
+        body = await self._read_body(raw_request)
+        request = protocol.parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+        model = self._model_name(request.model)
+        if not self.async_llm.is_healthy:
+            raise APIError(f"the engine is not running: {self.async_llm.error}", status_code=503)
+        prompts = self._prompt_token_ids(request)
+        params = [self._sampling_params(request, len(ids)) for ids in prompts]
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        streams = await self._add_requests(response_id, prompts, params, "messages" if chat else "prompt")
+        reply = _Reply(response_id, model, chat, [len(p) for p in prompts], params[0], self._decode_token)
+        if request.stream:
+            events = reply.stream_events(streams, request.include_usage_in_stream)
+            return _EventStreamResponse(events, streams)
+        try:
+            finals = await _unless_disconnected(raw_request, _collect_final_outputs(streams))
+        finally:
+            # Also covers cancellation before the collecting coroutine ever ran.
+            for stream in streams:
+                stream.abort()
+        if finals is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(reply.full_response(finals))
+
+    async def _add_requests(
+        self, response_id: str, prompts: list[list[int]], params: list[SamplingParams], prompt_field: str
+    ) -> list[RequestStream]:
+        """Adds one engine request per prompt; on any failure aborts those already added."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (token_ids, sampling_params) in enumerate(zip(prompts, params, strict=True)):
+                stream = await self.async_llm.add_request(
+                    f"{response_id}-{i}", {"prompt_token_ids": token_ids}, sampling_params
+                )
+                streams.append(stream)
+        except BaseException as e:
+            for stream in streams:
+                stream.abort()
+            if isinstance(e, ValueError):
+                raise APIError(str(e), param=prompt_field) from e
+            if isinstance(e, EngineDeadError):
+                raise APIError(str(e), status_code=503) from e
+            raise
+        return streams
+
+
+class _Reply:
+    """Builds one request's response bodies (whole or streamed) from its engine outputs."""
+
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        chat: bool,
+        prompt_lengths: list[int],
+        params: SamplingParams,
+        decode: protocol.TokenDecoder,
+    ):
+        self.response_id = response_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self.num_prompt_tokens = sum(prompt_lengths)
+        self.num_prompts = len(prompt_lengths)
+        self.num_choices = params.n
+        self.num_top_logprobs = params.logprobs
+        self.decode = decode
+
+    def _choice_index(self, prompt_index: int, completion_index: int) -> int:
+        return prompt_index * self.num_choices + completion_index
+
+    def _logprobs(self, c: CompletionOutput, start: int, text_offset: int) -> dict | None:
+        """The logprobs of ``c``'s tokens from ``start`` on, in the endpoint's format."""
+        if self.num_top_logprobs is None or c.logprobs is None:
+            return None
+        token_ids, logprobs = c.token_ids[start:], c.logprobs[start:]
+        if self.chat:
+            return protocol.chat_logprobs(token_ids, logprobs, self.decode, self.num_top_logprobs)
+        return protocol.completion_logprobs(token_ids, logprobs, self.decode, text_offset)
+
+    def full_response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        choices = []
+        num_generated = 0
+        build = protocol.chat_choice if self.chat else protocol.completion_choice
+        for prompt_index in sorted(finals):
+            for c in finals[prompt_index].outputs:
+                index = self._choice_index(prompt_index, c.index)
+                choices.append(build(index, c.text, c.finish_reason, self._logprobs(c, 0, 0)))
+                num_generated += len(c.token_ids)
+        object_type = "chat.completion" if self.chat else "text_completion"
+        usage = protocol.usage(self.num_prompt_tokens, num_generated)
+        return protocol.response_body(object_type, self.response_id, self.created, self.model, choices, usage)
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        object_type = "chat.completion.chunk" if self.chat else "text_completion"
+        return protocol.sse_event(
+            protocol.response_body(object_type, self.response_id, self.created, self.model, choices, usage)
+        )
+
+    async def stream_events(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+        """The SSE events of a streamed response; closing this generator aborts unfinished requests."""
+        num_generated: dict[int, int] = {}
+        finished: set[int] = set()
+        # Per choice: tokens already covered by a chunk, and (legacy logprobs) the text offset reached.
+        num_sent_tokens: dict[int, int] = {}
+        text_offsets: dict[int, int] = {}
+        try:
+            if self.chat:
+                # OpenAI opens each chat choice with the role before any content.
+                role_delta = {"role": "assistant", "content": ""}
+                roles = [
+                    protocol.chat_chunk_choice(self._choice_index(p, c), role_delta, None)
+                    for p in range(self.num_prompts)
+                    for c in range(self.num_choices)
+                ]
+                yield self._chunk(roles)
+            async with contextlib.aclosing(_merge_streams(streams)) as outputs:
+                async for prompt_index, output in outputs:
+                    choices = []
+                    for c in output.outputs:
+                        index = self._choice_index(prompt_index, c.index)
+                        num_generated[index] = len(c.token_ids)
+                        reason = c.finish_reason if index not in finished else None
+                        if reason is not None:
+                            finished.add(index)
+                        if not c.text_delta and reason is None:
+                            # Tokens that do not complete a character yet: they go out with the next
+                            # chunk, logprobs included.
+                            continue
+                        logprobs = self._logprobs(
+                            c, num_sent_tokens.get(index, 0), text_offsets.get(index, 0)
+                        )
+                        num_sent_tokens[index] = len(c.token_ids)
+                        if logprobs is not None and not self.chat and logprobs["tokens"]:
+                            text_offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                        if self.chat:
+                            delta = {"content": c.text_delta} if c.text_delta else {}
+                            choices.append(protocol.chat_chunk_choice(index, delta, reason, logprobs))
+                        else:
+                            choices.append(protocol.completion_choice(index, c.text_delta, reason, logprobs))
+                    if choices:
+                        yield self._chunk(choices)
+            if include_usage:
+                yield self._chunk([], protocol.usage(self.num_prompt_tokens, sum(num_generated.values())))
+        except (EngineDeadError, ValueError) as e:
+            yield protocol.sse_event(protocol.error_body(str(e), "server_error"))
+        yield protocol.SSE_DONE
+
+
+async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) pairs from several streams as they arrive; aborts them all when closed."""
+    merged: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                merged.put_nowait((index, output))
+        except Exception as e:
+            merged.put_nowait((index, e))
+            return
+        merged.put_nowait((index, end))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await merged.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def _collect_final_outputs(streams: list[RequestStream]) -> dict[int, RequestOutput]:
+    finals = {}
+    try:
+        async with contextlib.aclosing(_merge_streams(streams)) as outputs:
+            async for index, output in outputs:
+                if output.finished:
+                    finals[index] = output
+    except EngineDeadError as e:
+        raise APIError(str(e), status_code=503) from e
+    return finals
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Awaits ``work``, cancelling it (which aborts its requests) if the client disconnects first.
+
+    Returns None after a disconnect. The request body must already be read.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # no-op when it finished; otherwise we were cancelled or the client left
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop as soon as the client disconnects, even while no event is due.
+
+    Starlette notices a disconnect only on some ASGI versions or at the next send; here a watcher task
+    cancels the stream at once and closing the events generator aborts the requests behind it.
+    """
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            streaming.cancel()
+            watcher.cancel()
+            await asyncio.gather(streaming, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()
+            # Also covers a disconnect before the events generator ever ran.
+            for stream in self._streams:
+                stream.abort()
+        if not streaming.cancelled() and streaming.exception() is not None:
+            logger.warning("streaming a response failed: %r", streaming.exception())
+
+
+def run_server(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_names: list[str] | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    log_level: str = "info",
+    **engine_kwargs: Any,
+) -> None:
+    """Loads the model and serves it until SIGINT/SIGTERM; then stops the engine thread."""
+    import uvicorn
+
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
+    async_llm = AsyncLLM.from_kwargs(model, **engine_kwargs)
+    try:
+        server = OpenAIServer(async_llm, served_model_names or [model], api_key, max_request_body_bytes)
+        config = uvicorn.Config(
+            server.app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        )
+        uvicorn.Server(config).run()
+    finally:
+        async_llm.shutdown()

@@ -1,0 +1,255 @@
+"""Tensor-parallel workers: ranks 1..N-1, each a spawned process owning a ModelRunner.
+
+Rank 0's ModelRunner (in the engine's process) starts them (:class:`TensorParallelWorkers`), sends each
+batch through a shared-memory channel before running its own shard, and stops them on close. A worker
+waits for a batch, runs it (its collectives pair up with rank 0's), and loops; it exits on the stop
+message, or by itself when rank 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import threading
+import traceback
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from nanoinfer.config import EngineConfig
+from nanoinfer.distributed import (
+    COLLECTIVE_TIMEOUT,
+    create_master_store,
+    destroy_process_group,
+    ensure_no_process_group,
+    init_process_group,
+    set_failure_check,
+)
+from nanoinfer.executor.shm_channel import ChannelReader, ChannelReaderHandle, ChannelWriter
+
+logger = logging.getLogger(__name__)
+
+# A clean stop (stop message, model teardown) takes well under this; then the worker is killed.
+STOP_TIMEOUT_S = 10.0
+
+
+class WorkerRow(NamedTuple):
+    """What a worker needs of a ScheduledRow: the tokens to compute, where their K/V go, and which
+    positions get logits (computing logits is a collective that every rank must join). A named tuple:
+    it pickles and unpickles several times faster than a dataclass, and one is sent per row per step."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    prompt_logprob_targets: list[int] | None = None
+
+
+class WorkerBatch(NamedTuple):
+    is_prefill: bool
+    rows: list[WorkerRow]
+
+
+def slim_model_input(batch) -> WorkerBatch:
+    """The copy of a ModelInput that is sent to the workers: sampling parameters, token histories and
+    whatever else only rank 0's sampler reads are left out (a decode row's token_ids is already just
+    its last token)."""
+    return WorkerBatch(
+        batch.is_prefill,
+        [
+            WorkerRow(
+                r.token_ids,
+                r.start_pos,
+                r.block_table,
+                r.sample,
+                getattr(r, "prompt_logprob_targets", None) or None,
+            )
+            for r in batch.rows
+        ],
+    )
+
+
+def max_message_bytes(config: EngineConfig) -> int:
+    """An upper bound on a pickled WorkerBatch: at most max_num_seqs rows, T = max(max_num_batched_tokens,
+    max_num_seqs) tokens (and at most T prompt-logprob targets), and one block table per row of at most
+    max_blocks_per_seq + 1 entries. A pickled int in a list takes at most 5 bytes; a row's own overhead
+    (class reference, field names memoized after the first row, list headers) stays under 64 bytes."""
+    rows = config.max_num_seqs
+    tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+    table_entries = rows * (config.max_blocks_per_seq + 1)
+    return 4096 + 5 * (2 * tokens + table_entries) + 64 * rows
+
+
+class TensorParallelWorkers:
+    """Rank 0's side of tensor parallelism: starts ranks 1..N-1, owns rank 0's process group, sends each
+    batch, watches the workers and stops them."""
+
+    def __init__(self, config: EngineConfig):
+        ensure_no_process_group()  # before any process starts
+        size = config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        self.store = create_master_store(size)
+        self.channel = ChannelWriter(max_message_bytes(config), size - 1, ctx)
+        self.errors = ctx.SimpleQueue()
+        self.processes: list = []
+        self.failure: str | None = None
+        # Shared with the finalizer. watchdog_quiet: the pipe end that tells the NCCL watchdog to stand down.
+        self._state = {"graceful": True, "owns_group": False, "watchdog_quiet": None}
+        # The finalizer holds no reference to self: it runs from stop(), when the engine is
+        # garbage-collected, or at interpreter exit (registered after multiprocessing's own exit hook, so
+        # it runs first and the workers get a clean stop rather than a SIGTERM).
+        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.channel, self._state)
+        atexit.register(self._finalizer)
+        try:
+            for rank in range(1, size):
+                process = ctx.Process(
+                    target=_worker_main,
+                    args=(config, rank, self.store.port, self.channel.reader_handle(rank - 1), self.errors),
+                    name=f"nanoinfer-tp-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                self.processes.append(process)
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+        set_failure_check(self.explain_failure)
+
+    def init_process_group(self, device: torch.device) -> None:
+        init_process_group(self.store, 0, len(self.processes) + 1, device)
+        self._state["owns_group"] = True
+        if device.type == "cuda":
+            self._start_nccl_watchdog()
+
+    def _start_nccl_watchdog(self) -> None:
+        """NCCL, unlike gloo, does not notice a peer's death: a collective waiting for a dead worker would
+        block this rank until the process group's timeout. A thread watches the workers and, when one
+        dies, aborts the communicator, which ends the kernels waiting on it; the step then fails (or the
+        next one does, in :meth:`send`) with the worker's error. Stopping the workers silences it first."""
+        group = dist.group.WORLD
+        quiet_reader, self._state["watchdog_quiet"] = mp.Pipe(duplex=False)
+        sentinels = [p.sentinel for p in self.processes]
+
+        def watch() -> None:
+            ready = mp.connection.wait([*sentinels, quiet_reader])
+            if quiet_reader not in ready:
+                logger.error("a tensor-parallel worker exited; aborting the NCCL communicator")
+                group.abort()
+
+        threading.Thread(target=watch, name="nanoinfer-tp-watchdog", daemon=True).start()
+
+    def raise_if_dead(self) -> None:
+        """Raises RuntimeError naming the worker that exited, with its traceback when it sent one."""
+        if self.failure is None:
+            dead = [(rank, p) for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
+            if not dead:
+                return
+            errors = {}
+            while not self.errors.empty():
+                rank, text = self.errors.get()
+                errors[rank] = text
+            lines = [
+                f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                for rank, p in dead
+            ]
+            lines += [f"rank {rank} failed with:\n{text}" for rank, text in sorted(errors.items())]
+            self.failure = "\n".join(lines)
+        raise RuntimeError(self.failure + "\nthe engine cannot continue; close it and start a new one")
+
+    def explain_failure(self) -> None:
+        """After a failed collective: a dying worker's connections close a moment before its exit status
+        can be read, so wait a little for it to exit and reap it."""
+        ended = mp.connection.wait([p.sentinel for p in self.processes], timeout=2.0)
+        for p in self.processes:
+            if p.sentinel in ended:
+                p.join(2.0)
+        self.raise_if_dead()
+
+    def wait_ready(self) -> None:
+        """Waits until every worker has attached to the channel (its name is then unlinked)."""
+        self.channel.wait_acks(self.raise_if_dead, COLLECTIVE_TIMEOUT.total_seconds())
+
+    def send(self, batch: WorkerBatch) -> None:
+        self.raise_if_dead()
+        self.channel.send(batch, self.raise_if_dead, COLLECTIVE_TIMEOUT.total_seconds())
+
+    def stop(self, graceful: bool = True) -> None:
+        """Stops the workers (a stop message when ``graceful``, else at once) and rank 0's process group."""
+        self._state["graceful"] = graceful
+        atexit.unregister(self._finalizer)
+        self._finalizer()
+        set_failure_check(None)
+
+
+def _stop_workers(processes: list, channel: ChannelWriter, state: dict) -> None:
+    quiet = state.pop("watchdog_quiet", None)
+    if quiet is not None:
+        quiet.send(None)  # the workers exiting from now on is expected
+        quiet.close()
+
+    def raise_if_any_dead() -> None:
+        if any(p.exitcode is not None for p in processes):
+            raise RuntimeError("a tensor-parallel worker exited")
+
+    # A dead worker never acknowledges, and the others are then stuck in a collective or exiting: only
+    # an intact group gets the stop message.
+    graceful = state["graceful"] and all(p.is_alive() for p in processes)
+    if graceful:
+        try:
+            channel.send(None, raise_if_any_dead, STOP_TIMEOUT_S)
+        except RuntimeError:
+            graceful = False
+    for p in processes:
+        p.join(STOP_TIMEOUT_S if graceful else 0)
+        if p.is_alive():
+            if graceful:
+                logger.warning(
+                    "tensor-parallel worker %s did not stop in %s s; killing it", p.name, STOP_TIMEOUT_S
+                )
+            p.kill()
+            p.join(STOP_TIMEOUT_S)
+    channel.close()
+    if state["owns_group"]:
+        state["owns_group"] = False
+        destroy_process_group()
+
+
+def _worker_main(
+    config: EngineConfig, rank: int, port: int, handle: ChannelReaderHandle, errors: mp.SimpleQueue
+) -> None:
+    from nanoinfer.executor.model_runner import ModelRunner
+
+    reader = runner = None
+    parent = mp.parent_process()
+    try:
+        if config.device == "cpu":
+            # One thread per extra rank: N processes of all-core thread pools would oversubscribe the CPU.
+            torch.set_num_threads(1)
+        reader = ChannelReader(handle)
+        runner = ModelRunner(config, rank=rank, store_port=port)
+        while True:
+            ok, batch = reader.recv(parent.is_alive)
+            if not ok or batch is None:  # rank 0's process is gone, or the stop message
+                break
+            runner.execute(batch)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches the whole process group; rank 0 reports the interruption, this rank just ends.
+        raise SystemExit(1) from None
+    except BaseException:
+        text = traceback.format_exc()
+        try:
+            # Its tail only: a short message is one atomic pipe write, so rank 0 never reads half of one.
+            errors.put((rank, text[-3000:]))
+        finally:
+            logger.error("tensor-parallel worker rank %d (pid %d) failed:\n%s", rank, os.getpid(), text)
+        raise SystemExit(1) from None
+    finally:
+        if runner is not None:
+            runner.close()
+        if reader is not None:
+            reader.close()

@@ -1,0 +1,157 @@
+"""GPU correctness check for the whole engine, in one run on a CUDA machine.
+
+1. Kernels: runs scripts/gpu_kernels.py (every Triton kernel against its torch reference, bf16).
+2. Engine vs transformers, bf16, on random-weight Qwen3 checkpoints built here (head_dim 64 and 128):
+   greedy tokens in eager mode and with CUDA graphs, block sizes 16 and 256, compared with the
+   logprob-closeness rule: the first divergence must be at a near-tie of the float32 reference
+   (top-2 logit margin under NEAR_TIE).
+3. Chunked prefill, prefix-cache hits and preemption on the GPU, against the same reference.
+
+Writes $OUT/gpu_check.json; exits non-zero on any failure.
+Usage: python3 scripts/gpu_check.py [--skip-kernels]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nanoinfer import LLM, SamplingParams  # noqa: E402
+from tests.fixtures import build_model  # noqa: E402
+from tests.reference import hf_greedy  # noqa: E402
+
+# bf16 rounding moves logits by ~1e-2 of their scale; below this float32 margin a flip is a near-tie.
+NEAR_TIE = 0.05
+MAX_TOKENS = 48
+RESULTS: dict = {"checks": []}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def first_divergence(got: list[int], ref: list[int], margins: list[float]) -> tuple[bool, str]:
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if a != b:
+            ok = margins[i] < NEAR_TIE
+            return ok, f"diverged at {i} (margin {margins[i]:.4f}: {'near-tie' if ok else 'NOT a near-tie'})"
+    return len(got) == len(ref), "identical"
+
+
+def check(name: str, llm: LLM, hf, prompts: list[list[int]], refs: dict) -> bool:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    all_ok = True
+    notes = []
+    for prompt, out in zip(prompts, outputs):
+        key = tuple(prompt)
+        if key not in refs:
+            refs[key] = hf_greedy(hf, prompt, MAX_TOKENS)
+        ok, note = first_divergence(out.outputs[0].token_ids, *refs[key])
+        all_ok &= ok
+        notes.append(note)
+    stats = llm.engine_stats()
+    leak_free = stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+    all_ok &= leak_free
+    entry = {
+        "name": name, "ok": all_ok, "notes": notes, "leak_free": leak_free,
+        "cached_tokens": [o.num_cached_tokens for o in outputs], "preemptions": stats["num_preemptions"],
+    }  # fmt: skip
+    RESULTS["checks"].append(entry)
+    log(
+        f"{'PASS' if all_ok else 'FAIL'} {name}: {notes} cached={entry['cached_tokens']} preempt={stats['num_preemptions']}"
+    )
+    return all_ok
+
+
+class _HFOnDevice:
+    """transformers model in float32 on the GPU: the reference for bf16 runs."""
+
+    def __init__(self, path: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+
+    def __call__(self, input_ids, **kwargs):
+        return self.model(input_ids.cuda(), **kwargs)
+
+
+def engine_checks() -> bool:
+    ok = True
+    rng = random.Random(0)
+    for head_dim in (128, 64):
+        path = build_model(
+            tempfile.mkdtemp(prefix=f"gpu-check-hd{head_dim}-"), hidden_size=512, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
+            weight_std=0.04, dtype="bfloat16",
+        )  # fmt: skip
+        hf = _HFOnDevice(path)
+        refs: dict = {}
+        prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (1, 15, 16, 17, 100, 300, 700)]
+        for block_size in (16, 256):
+            for eager in (True, False):
+                mode = "eager" if eager else "cudagraph"
+                llm = LLM(path, kvcache_block_size=block_size, enforce_eager=eager)
+                graphs_ok = eager or bool(llm.llm_engine.model_runner.graphs)
+                ok &= check(f"hd{head_dim} bs{block_size} {mode}", llm, hf, prompts, refs) and graphs_ok
+                llm.close()
+        # Chunked prefill, then prefix hits on a second batch sharing the prompts' prefixes.
+        llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=64)
+        ok &= check(f"hd{head_dim} chunked prefill (64-token budget)", llm, hf, prompts, refs)
+        shared = [p[:96] + [5, 6, 7] for p in prompts if len(p) >= 100]
+        ok &= check(f"hd{head_dim} prefix hits", llm, hf, shared, refs)
+        ok &= all(c > 0 for c in RESULTS["checks"][-1]["cached_tokens"])
+        llm.close()
+        # Preemption: a pool far too small for the batch.
+        llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=80, enforce_eager=False)
+        ok &= check(f"hd{head_dim} preemption", llm, hf, prompts[:6], refs)
+        ok &= RESULTS["checks"][-1]["preemptions"] > 0
+        llm.close()
+        del hf
+        torch.cuda.empty_cache()
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-kernels", action="store_true")
+    opts = parser.parse_args()
+    out = Path(os.environ.get("OUT", "."))
+    ok = True
+    if not opts.skip_kernels:
+        started = time.perf_counter()
+        kernel_run = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_kernels.py"), "--quick"])
+        RESULTS["kernels_ok"] = kernel_run.returncode == 0
+        ok &= RESULTS["kernels_ok"]
+        log(
+            f"[kernels] {'PASS' if RESULTS['kernels_ok'] else 'FAIL'} in {time.perf_counter() - started:.0f}s"
+        )
+    try:
+        started = time.perf_counter()
+        ok &= engine_checks()
+        log(f"[engine] {time.perf_counter() - started:.0f}s")
+    except Exception:  # noqa: BLE001 - report and fail
+        RESULTS["error"] = traceback.format_exc()
+        log(RESULTS["error"])
+        ok = False
+    RESULTS["ok"] = bool(ok)
+    (out / "gpu_check.json").write_text(json.dumps(RESULTS, indent=1))
+    log("GPU CHECK " + ("PASSED" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

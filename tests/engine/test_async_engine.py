@@ -1,0 +1,342 @@
+"""AsyncLLM: streaming deltas, continuous batching across arrivals, aborts that free KV blocks wherever
+the request is, per-request failures, engine-loop crashes, idling without spinning, shutdown."""
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import pytest
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.async_engine import AsyncLLM, EngineDeadError
+from nanoinfer.engine.llm_engine import LLMEngine
+
+ENGINE_KWARGS = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 64}
+PROMPTS = ["The quick brown fox", "Paged attention stores keys", "What is the capital of France?"]
+
+
+def greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen3):
+    """Greedy outputs of the offline engine, one request at a time."""
+    with LLM(tiny_qwen3, **ENGINE_KWARGS) as llm:
+        return {p: llm.generate([p], greedy(12), use_tqdm=False)[0].outputs[0] for p in PROMPTS}
+
+
+def make_async_llm(model: str, on_step=None, **overrides) -> AsyncLLM:
+    """An AsyncLLM whose engine calls ``on_step(engine, outputs)`` on the engine thread after each step."""
+
+    def factory() -> LLMEngine:
+        engine = LLMEngine.from_kwargs(model, **{**ENGINE_KWARGS, **overrides})
+        if on_step is not None:
+            step = engine.step
+
+            def step_with_hook():
+                outputs = step()
+                on_step(engine, outputs)
+                return outputs
+
+            engine.step = step_with_hook
+        return engine
+
+    return AsyncLLM(factory)
+
+
+def all_free(stats: dict) -> bool:
+    return (
+        stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+        and stats["num_running"] == 0
+        and stats["num_waiting"] == 0
+    )
+
+
+class Pause:
+    """Stops the engine thread after the first step that meets ``condition``, until released."""
+
+    def __init__(self, condition):
+        self.condition = condition
+        self.paused = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, engine, outputs) -> None:
+        if not self.paused.is_set() and self.condition(engine, outputs):
+            self.paused.set()
+            self.release.wait(10)
+
+    async def wait(self) -> None:
+        assert await asyncio.to_thread(self.paused.wait, 10), "the engine never reached the paused state"
+
+
+def test_stream_deltas_add_up_and_match_offline(tiny_qwen3, reference):
+    llm = make_async_llm(tiny_qwen3)
+
+    async def main():
+        for i, prompt in enumerate(PROMPTS):
+            text, ids, steps = "", [], 0
+            async for out in llm.generate(prompt, greedy(12), f"r{i}"):
+                c = out.outputs[0]
+                text += c.text_delta
+                ids += c.token_ids_delta
+                assert c.text == text and c.token_ids == ids
+                steps += 1
+            assert out.finished and c.finish_reason == "length"
+            assert ids == reference[prompt].token_ids and text == reference[prompt].text
+            assert steps >= 2
+        assert all_free(await llm.get_stats())
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_n_completions_logprobs_and_stops_match_offline(tiny_qwen3):
+    params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=10, logprobs=2, stop=["e"])
+    with LLM(tiny_qwen3, **ENGINE_KWARGS) as offline:
+        expected = offline.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    llm = make_async_llm(tiny_qwen3)
+
+    async def main():
+        texts, token_ids = {0: "", 1: ""}, {0: [], 1: []}
+        async for out in llm.generate(PROMPTS[0], params, "n2"):
+            for c in out.outputs:
+                texts[c.index] += c.text_delta
+                token_ids[c.index] += c.token_ids_delta
+        return out, texts, token_ids
+
+    try:
+        final, texts, token_ids = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert final.finished and [c.index for c in final.outputs] == [0, 1]
+    assert any(c.stop_reason == "e" for c in final.outputs)  # the stop string did cut something
+    for got, want in zip(final.outputs, expected.outputs, strict=True):
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.text,
+            want.token_ids,
+            want.finish_reason,
+            want.stop_reason,
+        )
+        assert got.logprobs == want.logprobs and got.cumulative_logprob == pytest.approx(
+            want.cumulative_logprob
+        )
+        assert texts[got.index] == got.text and token_ids[got.index] == got.token_ids
+
+
+def test_requests_join_a_running_batch(tiny_qwen3, reference):
+    batch_sizes = []
+    llm = make_async_llm(tiny_qwen3, on_step=lambda engine, outputs: batch_sizes.append(len(outputs)))
+
+    async def late(prompt, i, delay_tokens, first_stream):
+        # Wait until the first request has produced some tokens, then join.
+        while len(first_stream) < delay_tokens:
+            await asyncio.sleep(0.001)
+        return await collect(prompt, i)
+
+    async def collect(prompt, i, sink=None):
+        async for out in llm.generate(prompt, greedy(12), f"r{i}"):
+            if sink is not None:
+                sink.append(out)
+        return out.outputs[0]
+
+    async def main():
+        first_outputs = []
+        results = await asyncio.gather(
+            collect(PROMPTS[0], 0, first_outputs),
+            late(PROMPTS[1], 1, 3, first_outputs),
+            late(PROMPTS[2], 2, 5, first_outputs),
+        )
+        for prompt, result in zip(PROMPTS, results, strict=True):
+            assert result.token_ids == reference[prompt].token_ids
+        assert all_free(await llm.get_stats())
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert max(batch_sizes) >= 2  # the late requests decoded in the same steps as the first one
+
+
+def test_abort_while_running_frees_blocks(tiny_qwen3):
+    llm = make_async_llm(tiny_qwen3)
+
+    async def main():
+        stream = await llm.add_request("a", PROMPTS[0], greedy(200))
+        first = await stream.__anext__()
+        assert first.outputs[0].token_ids and not first.finished
+        stats = await llm.get_stats()
+        assert stats["num_running"] == 1 and stats["num_kv_blocks_free"] < stats["num_kv_blocks_total"]
+        llm.abort("a")
+        assert all_free(await llm.get_stats())
+        outputs = [out async for out in stream]
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+        # Closing generate() early aborts as well...
+        async with contextlib.aclosing(llm.generate(PROMPTS[1], greedy(200), "b")) as outputs:
+            async for _ in outputs:
+                break
+        assert all_free(await llm.get_stats())
+        # ...and so does a plain break, once asyncio finalizes the abandoned generator.
+        async for _ in llm.generate(PROMPTS[1], greedy(200), "c"):
+            break
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if all_free(await llm.get_stats()):
+                break
+        assert all_free(await llm.get_stats())
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_abort_while_waiting(tiny_qwen3):
+    llm = make_async_llm(tiny_qwen3, max_num_seqs=1)
+
+    async def main():
+        running = await llm.add_request("running", PROMPTS[0], greedy(200))
+        await running.__anext__()
+        waiting = await llm.add_request("waiting", PROMPTS[1], greedy(5))
+        stats = await llm.get_stats()
+        assert stats["num_running"] == 1 and stats["num_waiting"] == 1
+        waiting.abort()
+        stats = await llm.get_stats()
+        assert stats["num_waiting"] == 0 and stats["num_running"] == 1
+        running.abort()
+        assert all_free(await llm.get_stats())
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_abort_mid_chunked_prefill(tiny_qwen3):
+    def mid_prefill(engine, outputs):
+        stats = engine.stats()
+        return not outputs and stats["num_kv_blocks_free"] < stats["num_kv_blocks_total"]
+
+    pause = Pause(mid_prefill)
+    llm = make_async_llm(tiny_qwen3, on_step=pause, max_num_batched_tokens=16)
+    prompt = list(range(10, 130))  # 120 tokens: 8 prefill chunks of 16
+
+    async def main():
+        stream = await llm.add_request("long", prompt, greedy(4))
+        await pause.wait()
+        llm.abort("long")  # queued while the engine thread is paused: runs before the next step
+        pause.release.set()
+        outputs = [out async for out in stream]
+        assert len(outputs) == 1
+        assert outputs[0].outputs[0].finish_reason == "abort" and outputs[0].outputs[0].token_ids == []
+        assert all_free(await llm.get_stats())
+
+    try:
+        asyncio.run(main())
+    finally:
+        pause.release.set()
+        llm.shutdown()
+
+
+def test_bad_request_fails_alone(tiny_qwen3, reference):
+    llm = make_async_llm(tiny_qwen3)
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await llm.add_request("too-long", list(range(10, 300)), greedy(4))
+        with pytest.raises(ValueError, match="empty"):
+            async for _ in llm.generate([], greedy(4), "empty"):
+                pass
+        stream = await llm.add_request("dup", PROMPTS[0], greedy(12))
+        with pytest.raises(ValueError, match="already in use"):
+            await llm.add_request("dup", PROMPTS[1], greedy(4))
+        outputs = [out async for out in stream]
+        assert outputs[-1].outputs[0].token_ids == reference[PROMPTS[0]].token_ids
+        assert llm.is_healthy
+        assert all_free(await llm.get_stats())
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_engine_crash_fails_every_request(tiny_qwen3):
+    def crash_on_third_step(engine, outputs, calls=[0]):  # noqa: B006 (a counter shared by the calls)
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("simulated device failure")
+
+    llm = make_async_llm(tiny_qwen3, on_step=crash_on_third_step)
+
+    async def consume(i):
+        async for _ in llm.generate(PROMPTS[i], greedy(50), f"r{i}"):
+            pass
+
+    async def main():
+        results = await asyncio.gather(consume(0), consume(1), return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "simulated device failure" in str(results[0])
+        assert not llm.is_healthy and "simulated device failure" in str(llm.error)
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("after", PROMPTS[0], greedy(4))
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_idle_engine_thread_blocks(tiny_qwen3):
+    polls = [0]
+
+    def factory():
+        engine = LLMEngine.from_kwargs(tiny_qwen3, **ENGINE_KWARGS)
+        has_unfinished = engine.has_unfinished_requests
+
+        def counted():
+            polls[0] += 1
+            return has_unfinished()
+
+        engine.has_unfinished_requests = counted
+        return engine
+
+    llm = AsyncLLM(factory)
+    try:
+        asyncio.run(_drain(llm.generate(PROMPTS[0], greedy(4), "r")))
+        before = polls[0]
+        time.sleep(0.3)
+        assert polls[0] - before <= 2
+    finally:
+        llm.shutdown()
+
+
+async def _drain(outputs):
+    return [out async for out in outputs]
+
+
+def test_shutdown_fails_pending_requests(tiny_qwen3):
+    llm = make_async_llm(tiny_qwen3)
+
+    async def main():
+        stream = await llm.add_request("r", PROMPTS[0], greedy(200))
+        await stream.__anext__()
+        await asyncio.to_thread(llm.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("r2", PROMPTS[0], greedy(4))
+        stats = await llm.get_stats()  # the last stats the engine reported
+        assert stats["num_kv_blocks_total"] == ENGINE_KWARGS["num_kvcache_blocks"]
+
+    asyncio.run(main())
+    assert not llm._thread.is_alive()
+
+
+def test_failed_engine_start_raises(tmp_path):
+    with pytest.raises(Exception, match="config"):
+        AsyncLLM.from_kwargs(str(tmp_path), device="cpu")

@@ -1,0 +1,32 @@
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from tests.fixtures import build_tokenizer
+
+TEXT = "Prefix caching 你好，世界！ 🚀🔥 café naïve — done."
+
+
+def test_incremental_text_equals_full_decode(tmp_path):
+    tok = build_tokenizer(str(tmp_path))
+    prompt = tok.encode("Hello")
+    ids = tok.encode(TEXT)
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.add_token(t) for t in ids]
+    assert "".join(deltas) == detok.text == tok.decode(ids)
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_split_multibyte_character_is_held_back(tmp_path):
+    tok = build_tokenizer(str(tmp_path))
+    ids = tok.encode("🚀")
+    assert len(ids) > 1, "the fixture tokenizer should split the emoji into byte tokens"
+    detok = IncrementalDetokenizer(tok, [])
+    assert [detok.add_token(t) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add_token(ids[-1]) == "🚀"
+
+
+def test_special_tokens_skipped(tmp_path):
+    tok = build_tokenizer(str(tmp_path))
+    detok = IncrementalDetokenizer(tok, [])
+    ids = tok.encode("done") + [tok.eos_token_id]
+    for t in ids:
+        detok.add_token(t)
+    assert detok.text == "done"

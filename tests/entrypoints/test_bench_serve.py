@@ -1,0 +1,156 @@
+"""`nanoinfer bench serve`: dataset generation, statistics, goodput, and a short run against a real
+server that checks the result file."""
+
+import argparse
+import json
+import math
+
+import pytest
+from transformers import AutoTokenizer
+
+from nanoinfer.benchmarks import serve as bench
+from tests.entrypoints.test_server import MODEL, serve_in_thread
+
+
+def test_random_dataset_lengths_prefix_and_seed(tiny_qwen3):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    vocab = bench._vocab_ids(tokenizer)
+    assert not set(vocab) & set(tokenizer.all_special_ids) and len(vocab) > 100
+
+    exact = bench.sample_random_requests(vocab, 20, 30, 7, 0.0, shared_prefix_len=5, seed=1)
+    assert [len(r.prompt_token_ids) for r in exact] == [35] * 20
+    assert [r.output_len for r in exact] == [7] * 20
+    assert len({tuple(r.prompt_token_ids[:5]) for r in exact}) == 1
+    assert len({tuple(r.prompt_token_ids[5:]) for r in exact}) == 20
+    assert bench.sample_random_requests(vocab, 20, 30, 7, 0.0, 5, seed=1) == exact
+    assert bench.sample_random_requests(vocab, 20, 30, 7, 0.0, 5, seed=2) != exact
+
+    ranged = bench.sample_random_requests(vocab, 200, 100, 10, 0.5, seed=0)
+    input_lens = [len(r.prompt_token_ids) for r in ranged]
+    assert min(input_lens) >= 50 and max(input_lens) <= 150 and len(set(input_lens)) > 20
+    assert all(5 <= r.output_len <= 15 for r in ranged)
+
+
+def test_percentile_matches_linear_interpolation():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert bench.percentile(values, 50) == 2.5
+    assert bench.percentile(values, 90) == pytest.approx(3.7)
+    assert bench.percentile(values, 100) == 4.0 and bench.percentile(values, 0) == 1.0
+    assert bench.percentile([], 50) == 0.0
+
+
+def test_summary_throughputs_latencies_and_goodput():
+    results = [
+        # ttft 0.1 s, e2e 1.0 s, 10 tokens: tpot 0.1 s
+        bench.RequestResult(True, prompt_len=20, output_tokens=10, ttft_s=0.1, e2el_s=1.0, itl_s=[0.1] * 9),
+        # ttft 0.5 s, e2e 0.8 s, 4 tokens: tpot 0.1 s
+        bench.RequestResult(True, prompt_len=30, output_tokens=4, ttft_s=0.5, e2el_s=0.8, itl_s=[0.1] * 3),
+        bench.RequestResult(False, prompt_len=30, error="HTTP 500: boom"),
+    ]
+    summary = bench.summarize(results, duration_s=2.0, goodput_slos={"ttft": 200.0, "tpot": 150.0})
+    assert summary["completed"] == 2 and summary["failed"] == 1 and summary["errors"] == ["HTTP 500: boom"]
+    assert summary["total_input_tokens"] == 50 and summary["total_output_tokens"] == 14
+    assert summary["request_throughput"] == 1.0
+    assert summary["output_throughput"] == 7.0 and summary["total_token_throughput"] == 32.0
+    assert summary["mean_ttft_ms"] == pytest.approx(300.0) and summary["median_ttft_ms"] == pytest.approx(
+        300.0
+    )
+    assert summary["mean_tpot_ms"] == pytest.approx(100.0)
+    assert summary["mean_itl_ms"] == pytest.approx(100.0) and summary["p99_itl_ms"] == pytest.approx(100.0)
+    assert summary["p99_e2el_ms"] == pytest.approx(998.0)
+    assert summary["goodput"] == 0.5  # only the first request meets the 200 ms TTFT SLO
+    table = bench.format_table(summary)
+    assert "Request goodput (req/s)" in table and "Time to first token" in table
+
+
+def test_argument_parsing_errors():
+    assert bench.parse_goodput(["ttft:500", "e2el:2000"]) == {"ttft": 500.0, "e2el": 2000.0}
+    for bad in (["ttft"], ["latency:5"], ["tpot:fast"], ["tpot:0"]):
+        with pytest.raises(ValueError, match="goodput"):
+            bench.parse_goodput(bad)
+    assert bench.parse_request_rates("1, 2.5,inf") == [1.0, 2.5, math.inf]
+    for bad in ("", "0", "fast"):
+        with pytest.raises(ValueError, match="request-rates"):
+            bench.parse_request_rates(bad)
+    assert bench.main(["--base-url", "http://x", "--model", "m", "--num-prompts", "0"]) == 2
+    assert bench.main(["--base-url", "http://x", "--model", "m", "--plot", "x.png"]) == 2
+    with pytest.raises(SystemExit):
+        bench.main(["--base-url", "http://x", "--model", "m", "--request-rate", "-1"])
+
+
+def test_bench_against_a_running_server(tiny_qwen3, tmp_path, capsys):
+    with serve_in_thread(tiny_qwen3, api_key="bench-key") as srv:
+        common = [
+            "--base-url",
+            srv.url,
+            "--model",
+            MODEL,
+            "--tokenizer",
+            tiny_qwen3,
+            "--api-key",
+            "bench-key",
+        ]
+        result_file = tmp_path / "result.json"
+        status = bench.main(
+            [
+                *common,
+                "--num-prompts", "8",
+                "--random-input-len", "16",
+                "--random-output-len", "6",
+                "--shared-prefix-len", "16",
+                "--request-rate", "100",
+                "--max-concurrency", "4",
+                "--goodput", "ttft:60000", "tpot:60000",
+                "--result-file", str(result_file),
+            ]
+        )  # fmt: skip
+        assert status == 0
+        result = json.loads(result_file.read_text())
+        assert result["completed"] == 8 and result["failed"] == 0 and result["errors"] == []
+        assert result["total_input_tokens"] == 8 * 32 and result["total_output_tokens"] == 8 * 6
+        assert result["request_rate"] == 100 and result["max_concurrency"] == 4
+        assert result["request_throughput"] > 0 and result["goodput"] == result["request_throughput"]
+        assert result["output_throughput"] == pytest.approx(result["request_throughput"] * 6)
+        for metric in bench.LATENCY_METRICS:
+            assert result[f"mean_{metric}_ms"] > 0, metric
+            assert result[f"median_{metric}_ms"] <= result[f"p90_{metric}_ms"] <= result[f"p99_{metric}_ms"]
+        assert result["mean_e2el_ms"] >= result["mean_ttft_ms"]
+        assert "Serving Benchmark Result" in capsys.readouterr().out
+        stats = srv.llm.stats(timeout=10)
+        assert stats["prefix_cache_hit_tokens"] > 0  # the shared prefix was reused
+
+        # The chat endpoint, swept over two rates with a plot.
+        plot, sweep_file = tmp_path / "sweep.png", tmp_path / "sweep.json"
+        status = bench.main(
+            [
+                *common,
+                "--endpoint", "/v1/chat/completions",
+                "--num-prompts", "4",
+                "--random-input-len", "8",
+                "--random-output-len", "4",
+                "--plot", str(plot),
+                "--request-rates", "50,inf",
+                "--result-file", str(sweep_file),
+            ]
+        )  # fmt: skip
+        assert status == 0
+        runs = json.loads(sweep_file.read_text())["runs"]
+        assert [r["request_rate"] for r in runs] == [50, "inf"]
+        assert all(r["completed"] == 4 and r["total_output_tokens"] == 16 for r in runs)
+        assert plot.stat().st_size > 10_000
+
+        # A wrong model name fails before the timed run.
+        assert bench.main([*common[:2], "--model", "other", *common[4:], "--num-prompts", "1"]) == 1
+        assert "does not serve" in capsys.readouterr().err
+
+
+def test_cli_registers_bench_subcommands():
+    pytest.importorskip("nanoinfer.benchmarks.throughput")
+    from nanoinfer.entrypoints import cli_bench
+
+    parser = argparse.ArgumentParser()
+    cli_bench.register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["bench", "serve", "--base-url", "http://h:1", "--model", "m", "--request-rate", "inf"]
+    )
+    assert args.func is bench.run and args.request_rate == math.inf

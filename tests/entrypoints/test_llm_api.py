@@ -1,0 +1,173 @@
+"""The offline API: input forms, validation errors, EOS handling, and that failures free every block."""
+
+import json
+import shutil
+
+import pytest
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.config import EngineConfig
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    return LLM(tiny_qwen3, max_model_len=128, kvcache_block_size=16)
+
+
+def _all_free(llm):
+    stats = llm.engine_stats()
+    return (
+        stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+        and stats["num_running"] == 0
+        and stats["num_waiting"] == 0
+    )
+
+
+def test_prompt_forms_and_order(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Paged attention")
+    single = llm.generate("Paged attention", GREEDY, use_tqdm=False)
+    assert len(single) == 1 and single[0].prompt == "Paged attention" and single[0].prompt_token_ids == ids
+    outs = llm.generate(["Paged attention", "Prefix caching"], GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Paged attention", "Prefix caching"]
+    assert outs[0].outputs[0].token_ids == single[0].outputs[0].token_ids
+    by_ids = llm.generate(ids, GREEDY, use_tqdm=False)
+    by_dict = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert by_ids[0].outputs[0].token_ids == by_dict[0].outputs[0].token_ids == single[0].outputs[0].token_ids
+    per_prompt = llm.generate(
+        [ids, ids], [GREEDY, SamplingParams(temperature=0.0, max_tokens=2)], use_tqdm=False
+    )
+    assert [len(o.outputs[0].token_ids) for o in per_prompt] == [6, 2]
+    out = per_prompt[0].outputs[0]
+    assert out.index == 0 and out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    assert _all_free(llm)
+
+
+def test_chat_applies_template(llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    expected = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == expected
+    two = llm.chat([messages, messages], GREEDY, use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_default_sampling_params_generate_16_tokens(llm):
+    out = llm.generate([[5, 6, 7]], SamplingParams(ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 16 and out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"temperature": -0.5}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens")],
+)
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_engine_option_lists_valid_ones(tiny_qwen3):
+    with pytest.raises(TypeError, match="max_num_seqs"):
+        LLM(tiny_qwen3, max_num_sequences=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"kvcache_block_size": 24}, "kvcache_block_size"),
+        ({"kvcache_block_size": 8}, "kvcache_block_size"),
+        ({"kvcache_block_size": 512}, "kvcache_block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"attention_backend": "flash"}, "attention_backend"),
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size"),
+        ({"num_kvcache_blocks": 0}, "num_kvcache_blocks"),
+    ],
+)
+def test_config_validation(tiny_qwen3, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_kwargs(tiny_qwen3, **kwargs)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+def test_block_sizes_accepted(tiny_qwen3, block_size):
+    assert EngineConfig.from_kwargs(tiny_qwen3, kvcache_block_size=block_size).kvcache_block_size == block_size
+
+
+def test_max_model_len_clamped_to_model(tiny_qwen3):
+    cfg = EngineConfig.from_kwargs(tiny_qwen3, max_model_len=100_000)
+    assert cfg.max_model_len == 512
+    assert cfg.device == "cpu" and str(cfg.torch_dtype) == "torch.float32"
+
+
+def test_bad_prompts_raise_and_leak_nothing(llm):
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        llm.generate([[5] * 10, [5] * 129], GREEDY, use_tqdm=False)
+    assert _all_free(llm)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[5, 6], []], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
+        llm.generate([[5, 10**6]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params has 1 entries"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+    assert _all_free(llm)
+    # The engine still works after the errors.
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].finished
+
+
+def test_request_larger_than_the_whole_kv_pool(tiny_qwen3):
+    small = LLM(tiny_qwen3, kvcache_block_size=16, num_kvcache_blocks=2)
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.generate([[5] * 20], SamplingParams(max_tokens=20), use_tqdm=False)
+    assert _all_free(small)
+
+
+def test_eos_stops_unless_ignored(tiny_qwen3, tmp_path):
+    probe = LLM(tiny_qwen3)
+    prompt = [[7, 8, 9, 10]]
+    first = probe.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    eos = first[0].outputs[0].token_ids[2]
+    # Same weights, but the model's EOS is the third token greedy decoding produces.
+    model_dir = shutil.copytree(tiny_qwen3, tmp_path / "eos_model")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(model_dir))
+    stopped = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == first[0].outputs[0].token_ids[: stopped.token_ids.index(eos) + 1]
+    ignored = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert ignored[0].outputs[0].finish_reason == "length" and len(ignored[0].outputs[0].token_ids) == 5
+    assert _all_free(llm)
+
+
+def test_bad_model_paths(tmp_path, tiny_qwen3):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(f"{tiny_qwen3}/config.json", no_weights / "config.json")
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(no_weights))
+    other = shutil.copytree(tiny_qwen3, tmp_path / "gpt2ish")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        LLM(str(other))
+
+
+def test_sampling_is_seeded_by_engine_seed(tiny_qwen3):
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    a = LLM(tiny_qwen3, seed=3).generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    b = LLM(tiny_qwen3, seed=3).generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
