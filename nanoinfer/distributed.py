@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 # How long a collective (and the start-up rendezvous) may wait for the other ranks. A rank that exits
-# is noticed much sooner: gloo fails as soon as its connection closes and rank 0 checks its workers
-# before every step; this bounds what is left (a hung rank, or NCCL waiting on a dead peer).
+# is noticed much sooner (gloo fails as soon as its connection closes; under NCCL rank 0's watchdog
+# thread aborts the communicator; rank 0 also checks its workers before every step): this bounds what is
+# left, a rank that hangs without exiting.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
 _rank, _size = 0, 1
@@ -98,7 +99,7 @@ def ensure_no_process_group() -> None:
         )
 
 
-def init_process_group(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> None:
+def init_process_group(store: dist.Store, rank: int, size: int, device: torch.device) -> None:
     """NCCL between GPUs (rank r on cuda:r), gloo on the CPU."""
     ensure_no_process_group()
     if device.type == "cuda":

@@ -116,7 +116,7 @@ def engine_checks() -> bool:
         ok &= all(c > 0 for c in RESULTS["checks"][-1]["cached_tokens"])
         llm.close()
         # Preemption: a pool far too small for the batch.
-        llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=80, enforce_eager=False)
+        llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=30, enforce_eager=False)
         ok &= check(f"hd{head_dim} preemption", llm, hf, prompts[:6], refs)
         ok &= RESULTS["checks"][-1]["preemptions"] > 0
         llm.close()

@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -161,6 +162,14 @@ def correctness_check(name: str, model: str, engine_kwargs: dict, prompts, max_t
     return result
 
 
+def build_kv1_model(path: str) -> str:
+    """4 query heads sharing 1 KV head (replicated at TP=2); head_dim 64 for the Triton kernels."""
+    return build_model(
+        path, num_key_value_heads=1, hidden_size=256, head_dim=64, num_hidden_layers=4,
+        max_position_embeddings=2048,
+    )  # fmt: skip
+
+
 def random_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
@@ -220,9 +229,12 @@ def killed_worker_check(model: str, engine_kwargs: dict, deadline_s: float = 60.
     peer). Run last: if it hangs, faulthandler ends the script after ``2 * deadline_s``."""
     llm = LLM(model, tensor_parallel_size=2, **engine_kwargs)
     worker = llm.llm_engine.model_runner.workers.processes[0]
-    prompts = random_prompts(32, 50, 200, 384, seed=5)
-    params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
-    killer = threading.Timer(2.0, os.kill, args=(worker.pid, signal.SIGKILL))
+    # Long enough (about 1800 steps) that the kill lands in the middle of the generation, most likely
+    # inside a step, while rank 0 waits in a collective.
+    prompts = random_prompts(64, 50, 200, 384, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=1800, ignore_eos=True)
+    kill_after_s = 0.5
+    killer = threading.Timer(kill_after_s, os.kill, args=(worker.pid, signal.SIGKILL))
     faulthandler.dump_traceback_later(2 * deadline_s, exit=True)
     result: dict = {"name": "worker killed mid-generation"}
     try:
@@ -234,7 +246,7 @@ def killed_worker_check(model: str, engine_kwargs: dict, deadline_s: float = 60.
         except RuntimeError as e:
             result["error"] = str(e).splitlines()[0]
         # Seconds from the kill to the error.
-        result["seconds_to_error"] = round(time.perf_counter() - started - 2.0, 2)
+        result["seconds_to_error"] = round(time.perf_counter() - started - kill_after_s, 2)
         killer.join()
         llm.close()
     finally:
@@ -322,14 +334,7 @@ def main() -> int:
         checks = [
             (
                 "one KV head replicated (4 q / 1 kv heads)",
-                lambda: build_model(
-                    str(workdir / "kv1"),
-                    num_key_value_heads=1,
-                    hidden_size=256,
-                    head_dim=64,
-                    num_hidden_layers=4,
-                    max_position_embeddings=2048,
-                ),  # fmt: skip
+                lambda: build_kv1_model(str(workdir / "kv1")),
                 384,
             ),
             (
@@ -383,8 +388,6 @@ def main() -> int:
             report.save()
             if not args.tiny and shape_name in checkpoints:
                 # The 8B checkpoint is 16 GB: do not keep it around.
-                import shutil
-
                 shutil.rmtree(checkpoints.pop(shape_name), ignore_errors=True)
 
     if not args.skip_kill:
@@ -392,10 +395,10 @@ def main() -> int:
         try:
             kv1 = str(workdir / "kv1")
             if not os.path.isdir(kv1):
-                build_model(kv1, num_key_value_heads=1, hidden_size=256, head_dim=64, num_hidden_layers=4)
+                build_kv1_model(kv1)
             report.data["killed_worker"] = {"started": True}
             report.save()  # a hang still leaves a trace of how far the run got
-            result = killed_worker_check(kv1, dict(engine_kwargs, max_model_len=2048))
+            result = killed_worker_check(kv1, dict(engine_kwargs, max_model_len=2048, max_num_seqs=64))
             report.data["killed_worker"] = result
             ok &= result["ok"]
         except Exception:

@@ -275,7 +275,7 @@ class LLMEngine:
         row = ScheduledRow(
             token_ids=seq.token_ids[start:end],
             start_pos=start,
-            block_table=list(seq.block_table),
+            block_table=seq.block_table,  # read-only until the step is over: no copy
             sample=end == seq.num_tokens,
             params=params,
         )

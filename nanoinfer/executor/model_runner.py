@@ -17,9 +17,10 @@ from nanoinfer.distributed import (
     init_process_group,
     tensor_parallel_scope,
 )
-from nanoinfer.executor.batch import ModelInput
+from nanoinfer.executor.batch import ModelInput, SamplerOutput
 from nanoinfer.executor.tp_worker import TensorParallelWorkers, WorkerBatch, slim_model_input
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
+from nanoinfer.layers.fused import use_compiled_ops
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.checkpoint import load_weights
 from nanoinfer.models.decoder import DecoderForCausalLM
@@ -108,6 +109,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
+
+        # Compiled fused ops go with CUDA graphs: enforce_eager turns both off (as in vLLM).
+        self.compiled_ops = self.device.type == "cuda" and not config.enforce_eager
+        if self.compiled_ops:
+            use_compiled_ops(self.model)
 
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim  # this rank's share
@@ -203,13 +209,19 @@ class ModelRunner:
         bs = self.block_size
         q_lens = [len(t) for t in token_rows]
         seq_lens = [p[-1] + 1 if p else 0 for p in positions_per_row]
-        slots = []
-        for pos, table in zip(positions_per_row, block_tables, strict=True):
-            if table:
-                pos_arr = np.asarray(pos)
-                slots.append(np.asarray(table)[pos_arr // bs] * bs + pos_arr % bs)
-            else:  # warm-up rows: no cache yet
-                slots.append(np.full(len(pos), -1))
+        if not is_prefill:
+            # Decode: one token per row, at position seq_len - 1. Plain Python beats per-row numpy here.
+            slot_list = [table[(n - 1) // bs] * bs + (n - 1) % bs for table, n in zip(block_tables, seq_lens)]
+            slot_array = np.asarray(slot_list, dtype=np.int64)
+        else:
+            slots = []
+            for pos, table in zip(positions_per_row, block_tables, strict=True):
+                if table:
+                    pos_arr = np.asarray(pos)
+                    slots.append(np.asarray(table)[pos_arr // bs] * bs + pos_arr % bs)
+                else:  # warm-up rows: no cache yet
+                    slots.append(np.full(len(pos), -1))
+            slot_array = np.concatenate(slots).astype(np.int64)
         width = max(1, max(len(t) for t in block_tables))
         table_arr = np.zeros((len(block_tables), width), dtype=np.int32)
         for i, t in enumerate(block_tables):
@@ -217,7 +229,7 @@ class ModelRunner:
         dev = self.device
         return AttentionMetadata(
             is_prefill=is_prefill,
-            slot_mapping=torch.from_numpy(np.concatenate(slots).astype(np.int64)).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_array).to(dev, non_blocking=True),
             query_start_loc=torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(table_arr).to(dev, non_blocking=True),
@@ -228,9 +240,9 @@ class ModelRunner:
     # -- execution -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ModelInput | WorkerBatch) -> list[int]:
+    def execute(self, batch: ModelInput | WorkerBatch) -> SamplerOutput:
         """Runs one batch; returns one sampled token per row with ``sample`` set, in row order (on rank 0;
-        other ranks return []). Rank 0 first hands the batch to the tensor-parallel workers."""
+        other ranks sample nothing). Rank 0 first hands the batch to the tensor-parallel workers."""
         if self.workers is not None:
             self.workers.send(slim_model_input(batch))
         rows = batch.rows

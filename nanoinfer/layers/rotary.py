@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanoinfer.layers.fused import compiled
+
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None), from the top-level keys or transformers 5's rope_parameters."""
@@ -49,12 +51,23 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim]: cos and sin halves side by side.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
+        self.fn = apply_rotary
+
+    def use_compiled_ops(self) -> None:
+        self.fn = compiled(apply_rotary)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [tokens, heads, head_dim]; rotate-half convention (first half paired with second half).
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.fn(positions, q, k, self.cos_sin)
+
+
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: [tokens, heads, head_dim]; rotate-half convention (first half paired with second half).
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

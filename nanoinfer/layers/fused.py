@@ -1,0 +1,30 @@
+"""torch.compile for the small elementwise pieces of a layer (RMSNorm with the residual add, RoPE,
+SiLU-and-mul). Eagerly each is 5-10 tiny kernels; compiled, one or two. Inside a decode CUDA graph of a
+28-layer model that is over a thousand launches fewer per step.
+
+Layers call plain functions by default (CPU, tests, ``enforce_eager``); the model runner switches every
+layer to the compiled versions with :func:`use_compiled_ops` before warm-up and graph capture."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """One compiled version per function, shared by all layers; dynamic in the token count."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def use_compiled_ops(model: nn.Module) -> int:
+    """Switches every layer that has fused ops to their compiled versions; returns how many."""
+    switched = 0
+    for module in model.modules():
+        if hasattr(module, "use_compiled_ops"):
+            module.use_compiled_ops()
+            switched += 1
+    return switched

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU measurements of the project, as run on the H200 device (results and logs land in $OUT):
+#   scripts/h200_run.sh check   kernel + engine correctness (scripts/gpu_check.py) and the offline
+#                               throughput benchmark on a random Qwen3-0.6B-shaped checkpoint
+#   scripts/h200_run.sh serve   the OpenAI server on the same checkpoint under a request-rate sweep
+# Server dependencies missing on the device travel as wheels in .whl/ (see docs/benchmarks.md).
+set -uo pipefail
+OUT=${OUT:-/tmp/nanoinfer-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+CKPT=/tmp/qwen3-0.6b
+exec > >(tee -a "$OUT/run.log") 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+git log -1 --format='commit %h %cd' 2>/dev/null || true
+
+write_checkpoint() {
+    [ -f "$CKPT/config.json" ] || python3 -c "from nanoinfer.benchmarks.random_checkpoint import write_random_qwen3 as w; w('$CKPT', 'qwen3-0.6b', device='cuda')"
+}
+
+case "$1" in
+check)
+    # SKIP_KERNELS=1: engine checks only (the kernel grid is unchanged since its last passing run).
+    timeout 300 python3 scripts/gpu_check.py ${SKIP_KERNELS:+--skip-kernels}
+    write_checkpoint
+    # HF_COMPARE=0 skips the transformers side-by-side (about 2 minutes of device time).
+    timeout 280 python3 benchmarks/throughput.py --model "$CKPT" --bound --tpot --profile --hf-compare "${HF_COMPARE:-32}" \
+        --result-file "$OUT/throughput.json"
+    ;;
+serve)
+    write_checkpoint
+    python3 -m nanoinfer.entrypoints.cli serve "$CKPT" --port 8011 --served-model-name qwen3-0.6b-random \
+        --log-level warning > "$OUT/server.log" 2>&1 &
+    server=$!
+    python3 -c "
+import time, urllib.request
+for _ in range(180):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=2); break
+    except OSError:
+        time.sleep(1)"
+    timeout 300 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
+        --model qwen3-0.6b-random --tokenizer "$CKPT" --num-prompts 100 --random-input-len 512 \
+        --random-output-len 128 --request-rates 8,32,inf --goodput ttft:500 tpot:50 \
+        --plot "$OUT/serve_latency.png" --result-file "$OUT/serve.json"
+    kill -INT "$server"
+    wait "$server"
+    ;;
+*)
+    echo "usage: $0 check|serve" >&2
+    exit 2
+    ;;
+esac
