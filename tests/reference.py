@@ -20,9 +20,11 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, margins
 
 
-def assert_greedy_match(got: list[int], ref: list[int], margins: list[float], near_tie: float = NEAR_TIE) -> None:
+def assert_greedy_match(
+    got: list[int], ref: list[int], margins: list[float], near_tie: float = NEAR_TIE
+) -> None:
     """Token-for-token equality, except that a divergence at a near-tie ends the comparison."""
-    for i, (a, b) in enumerate(zip(got, ref)):
+    for i, (a, b) in enumerate(zip(got, ref, strict=False)):  # lengths are compared after
         if a != b:
             assert margins[i] < near_tie, (
                 f"diverged at token {i}: got {a}, reference {b} (margin {margins[i]:.3g} is not a near-tie)\n"

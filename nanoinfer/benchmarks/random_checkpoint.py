@@ -52,6 +52,7 @@ def write_toy_tokenizer(directory: str, vocab_size: int = 384):
     fast.save_pretrained(directory)
     return fast
 
+
 # Shapes of the published Qwen3 checkpoints (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-8B).
 QWEN3_SHAPES = {
     "qwen3-0.6b": dict(
@@ -68,7 +69,10 @@ QWEN3_SHAPES = {
 def _parameter_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg["vocab_size"], h),
+        "model.norm.weight": (h,),
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {

@@ -34,10 +34,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--workload-seed", type=int, default=0, help="random.seed of the workload")
-    parser.add_argument("--hf-compare", type=int, default=0, metavar="N", help="also time transformers on N seqs")
+    parser.add_argument(
+        "--hf-compare", type=int, default=0, metavar="N", help="also time transformers on N seqs"
+    )
     parser.add_argument("--bound", action="store_true", help="measure bandwidth/FLOPs and print the bound")
-    parser.add_argument("--tpot", action="store_true", help="single-sequence decode latency (512 in, 256 out)")
-    parser.add_argument("--profile", action="store_true", help="time breakdown of one decode step at batch 256")
+    parser.add_argument(
+        "--tpot", action="store_true", help="single-sequence decode latency (512 in, 256 out)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="time breakdown of one decode step at batch 256"
+    )
     parser.add_argument("--result-file", help="write the results as JSON here")
     add_engine_args(parser)
 
@@ -112,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
         "engine": {k: str(v) for k, v in engine_kwargs_from_args(args).items()},
         "engine_stats": llm.engine_stats(),
     }
-    print(f"Total: {output_tokens} tok, Time: {elapsed:.2f}s, Throughput: {output_tokens / elapsed:.2f} tok/s")
+    print(
+        f"Total: {output_tokens} tok, Time: {elapsed:.2f}s, Throughput: {output_tokens / elapsed:.2f} tok/s"
+    )
 
     if args.tpot:
         result["single_sequence"] = single_sequence_latency(llm)
@@ -245,7 +253,7 @@ def physical_bound(llm, prompts: list[list[int]], max_tokens: list[int]) -> dict
 
     decode_bytes = 0.0
     for t in range(max(max_tokens)):
-        active = [(len(p), n) for p, n in zip(prompts, max_tokens) if n > t]
+        active = [(len(p), n) for p, n in zip(prompts, max_tokens, strict=True) if n > t]
         decode_bytes += weight_bytes + sum((p + t) * kv_per_token for p, _ in active)
     prefill_flops = sum(2 * num_params * len(p) for p in prompts)
     decode_s = decode_bytes / copy_bw
@@ -284,9 +292,13 @@ def compare_with_transformers(llm, model: str, prompts, max_tokens, args) -> dic
     for i, p in enumerate(sub_prompts):  # left padding
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    gen_kwargs = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=max(sub_max))
+    gen_kwargs = dict(
+        do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=max(sub_max)
+    )
     with torch.inference_mode():
-        hf.generate(ids[:1, -16:].cuda(), attention_mask=mask[:1, -16:].cuda(), max_new_tokens=4, do_sample=False)
+        hf.generate(
+            ids[:1, -16:].cuda(), attention_mask=mask[:1, -16:].cuda(), max_new_tokens=4, do_sample=False
+        )
         torch.cuda.synchronize()
         started = time.perf_counter()
         hf.generate(ids.cuda(), attention_mask=mask.cuda(), min_new_tokens=max(sub_max), **gen_kwargs)
@@ -318,13 +330,20 @@ def _print_table(result: dict[str, Any]) -> None:
         rows += [("TTFT ms (512 in)", result["single_sequence"]["ttft_ms"])]
         rows += [("TPOT ms (256 out)", result["single_sequence"]["tpot_ms"])]
     if "hf_compare" in result:
-        rows.append((f"vs transformers ({result['hf_compare']['num_seqs']} seqs)", f"{result['hf_compare']['speedup']}x"))
+        rows.append(
+            (
+                f"vs transformers ({result['hf_compare']['num_seqs']} seqs)",
+                f"{result['hf_compare']['speedup']}x",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_args(parser)
     return run(parser.parse_args(argv))

@@ -16,7 +16,9 @@ _SUBCOMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoinfer", description="nanoinfer: a compact LLM inference engine")
+    parser = argparse.ArgumentParser(
+        prog="nanoinfer", description="nanoinfer: a compact LLM inference engine"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(name).register(subparsers)

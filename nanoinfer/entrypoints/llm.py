@@ -56,10 +56,12 @@ class LLM:
         engine = self.llm_engine
         request_ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params in zip(prompt_list, params_list, strict=True):
                 request_id = str(next(self._request_ids))
                 # Only final outputs are collected here, so the engine need not build per-step ones.
-                engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+                engine.add_request(
+                    request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                )
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:
@@ -88,7 +90,9 @@ class LLM:
                 if output.finished:
                     finished[output.request_id] = output
                     bar.update(1)
-            bar.set_postfix(prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s", refresh=False)
+            bar.set_postfix(
+                prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s", refresh=False
+            )
         bar.close()
         return [finished[r] for r in request_ids]
 
@@ -124,4 +128,6 @@ def _normalize_prompts(prompts: Any) -> list[PromptType]:
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
             return [list(prompts)]  # one prompt given as token ids
         return list(prompts)
-    raise ValueError(f"prompts must be a str, a list of str, token ids or prompt dicts, got {type(prompts).__name__}")
+    raise ValueError(
+        f"prompts must be a str, a list of str, token ids or prompt dicts, got {type(prompts).__name__}"
+    )

@@ -11,7 +11,6 @@ import torch
 from nanoinfer.config import EngineConfig
 from nanoinfer.distributed import (
     all_reduce_min,
-    check_tensor_parallel_size,
     connect_store,
     destroy_process_group,
     init_process_group,
@@ -75,7 +74,6 @@ class ModelRunner:
     def _start_tensor_parallel(self, store_port: int | None) -> None:
         if self.tp_size == 1:
             return
-        check_tensor_parallel_size(self.config.hf_config, self.tp_size)
         if self.rank == 0:
             if self.device.type == "cuda" and torch.cuda.device_count() < self.tp_size:
                 raise ValueError(
@@ -211,7 +209,10 @@ class ModelRunner:
         seq_lens = [p[-1] + 1 if p else 0 for p in positions_per_row]
         if not is_prefill:
             # Decode: one token per row, at position seq_len - 1. Plain Python beats per-row numpy here.
-            slot_list = [table[(n - 1) // bs] * bs + (n - 1) % bs for table, n in zip(block_tables, seq_lens)]
+            slot_list = [
+                table[(n - 1) // bs] * bs + (n - 1) % bs
+                for table, n in zip(block_tables, seq_lens, strict=True)
+            ]
             slot_array = np.asarray(slot_list, dtype=np.int64)
         else:
             slots = []

@@ -90,6 +90,10 @@ def _decode_ref(query, k_cache, v_cache, seq_lens, block_tables, max_len, scale)
     k = k_cache[tables].flatten(1, 2)[:, :max_len].float()  # [batch, max_len, Hkv, D]
     v = v_cache[tables].flatten(1, 2)[:, :max_len].float()
     k_pos = torch.arange(max_len, device=query.device)
-    mask = (k_pos[None, :] < seq_lens[:, None]).view(-1, 1, 1, 1, max_len)  # [batch, Hkv, group, 1, L]
+    valid = k_pos[None, :] < seq_lens[:, None]  # [batch, L]
+    # Padding positions of shorter rows hold whatever the pool holds there (possibly NaN); their
+    # probability is 0, but 0 * NaN is NaN, so their values are zeroed too.
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
+    mask = valid.view(-1, 1, 1, 1, max_len)  # [batch, Hkv, group, 1, L]
     out = _grouped_attention(query.float().unsqueeze(1), k, v, mask, scale)  # [batch, 1, Hq, D]
     return out.squeeze(1).to(query.dtype)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanoinfer.layers.linear import copy_checked, read_all
 from nanoinfer.models.decoder import SUPPORTED_ARCHITECTURES, DecoderForCausalLM
 
 
@@ -24,9 +25,7 @@ def _safetensors_files(model_dir: str) -> list[str]:
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(model_dir, s) for s in shards]
-    return sorted(
-        os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors")
-    )
+    return sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
 
 
 def load_model_config(path: str) -> Any:
@@ -66,8 +65,8 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     return AutoTokenizer.from_pretrained(tokenizer or model)
 
 
-def iter_checkpoint_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face parameter name, tensor) pairs, one file at a time."""
+def iter_checkpoint_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face parameter name, tensor or lazy safetensors slice) pairs, one file at a time."""
     if _is_gguf(path):
         from nanoinfer.models.gguf import load_gguf_weights
 
@@ -78,13 +77,12 @@ def iter_checkpoint_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+                # A lazy slice: each tensor-parallel rank's weight loader reads only its own part.
+                yield name, f.get_slice(name)
 
 
-def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
-    param.data.copy_(loaded)
+def _default_weight_loader(param: nn.Parameter, loaded) -> None:
+    copy_checked(param.data, read_all(loaded))
 
 
 def load_weights(model: DecoderForCausalLM, path: str, dtype: torch.dtype) -> None:
@@ -118,4 +116,6 @@ def load_weights(model: DecoderForCausalLM, path: str, dtype: torch.dtype) -> No
             expected.add(name)
     missing = sorted(expected - loaded)
     if missing:
-        raise ValueError(f"checkpoint {path!r} is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint {path!r} is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )

@@ -33,11 +33,15 @@ class DecoderVariant:
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         mlp_bias = bool(getattr(cfg, "mlp_bias", False))
         if arch == "Qwen3ForCausalLM":
-            return DecoderVariant(qk_norm=True, qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False)
+            return DecoderVariant(
+                qk_norm=True, qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False
+            )
         if arch == "Qwen2ForCausalLM":
             return DecoderVariant(qk_norm=False, qkv_bias=True, o_bias=False, mlp_bias=False)
         if arch == "LlamaForCausalLM":
-            return DecoderVariant(qk_norm=False, qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=mlp_bias)
+            return DecoderVariant(
+                qk_norm=False, qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=mlp_bias
+            )
         raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
 
 
@@ -144,7 +148,9 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

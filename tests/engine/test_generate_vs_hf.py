@@ -24,7 +24,7 @@ def hf_model(tiny_qwen3):
 def _check(llm, hf_model, prompts, params=GREEDY):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         ref, margins = hf_greedy(hf_model, prompt, params.max_tokens)
         assert_greedy_match(out.outputs[0].token_ids, ref, margins)
         assert out.finished and out.outputs[0].finish_reason == "length"

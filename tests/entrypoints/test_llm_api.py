@@ -61,7 +61,11 @@ def test_default_sampling_params_generate_16_tokens(llm):
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"temperature": -0.5}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens")],
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+    ],
 )
 def test_sampling_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -96,7 +100,9 @@ def test_config_validation(tiny_qwen3, kwargs, field):
 
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
 def test_block_sizes_accepted(tiny_qwen3, block_size):
-    assert EngineConfig.from_kwargs(tiny_qwen3, kvcache_block_size=block_size).kvcache_block_size == block_size
+    assert (
+        EngineConfig.from_kwargs(tiny_qwen3, kvcache_block_size=block_size).kvcache_block_size == block_size
+    )
 
 
 def test_max_model_len_clamped_to_model(tiny_qwen3):
@@ -132,7 +138,9 @@ def test_request_larger_than_the_whole_kv_pool(tiny_qwen3):
 def test_eos_stops_unless_ignored(tiny_qwen3, tmp_path):
     probe = LLM(tiny_qwen3)
     prompt = [[7, 8, 9, 10]]
-    first = probe.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    first = probe.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     eos = first[0].outputs[0].token_ids[2]
     # Same weights, but the model's EOS is the third token greedy decoding produces.
     model_dir = shutil.copytree(tiny_qwen3, tmp_path / "eos_model")
@@ -140,10 +148,14 @@ def test_eos_stops_unless_ignored(tiny_qwen3, tmp_path):
     cfg["eos_token_id"] = eos
     (model_dir / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(model_dir))
-    stopped = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].outputs[
+        0
+    ]
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == first[0].outputs[0].token_ids[: stopped.token_ids.index(eos) + 1]
-    ignored = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    ignored = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     assert ignored[0].outputs[0].finish_reason == "length" and len(ignored[0].outputs[0].token_ids) == 5
     assert _all_free(llm)
 

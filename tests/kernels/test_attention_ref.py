@@ -130,3 +130,19 @@ def test_store_kvcache_ref_writes_slots_and_skips_padding(block_size):
             expected_v[slot // block_size, slot % block_size] = value[t]
     assert torch.equal(k_cache, expected_k)
     assert torch.equal(v_cache, expected_v)
+
+
+def test_decode_ignores_garbage_beyond_each_sequence():
+    # Rows are padded to the longest context; the pool past a shorter row's end may hold NaN.
+    torch.manual_seed(0)
+    k_cache = torch.randn(8, 16, 2, 8)
+    v_cache = torch.randn(8, 16, 2, 8)
+    k_cache[3:], v_cache[3:] = float("nan"), float("nan")
+    block_tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    k_cache[3, :5], v_cache[3, :5] = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    seq_lens = torch.tensor([40, 5], dtype=torch.int32)
+    query = torch.randn(2, 4, 8)
+    out = paged_attention_ref(
+        query, k_cache, v_cache, torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens, block_tables, 0.3
+    )
+    assert torch.isfinite(out).all()

@@ -22,11 +22,11 @@ def test_compiled_ops_match_plain_ops_across_token_counts():
     for tokens in (3, 7, 17):  # dynamic shapes: no recompilation per token count needed
         x, residual = torch.randn(tokens, 32), torch.randn(tokens, 32)
         torch.testing.assert_close(fused["norm"](x), plain["norm"](x))
-        for a, b in zip(fused["norm"](x, residual), plain["norm"](x, residual)):
+        for a, b in zip(fused["norm"](x, residual), plain["norm"](x, residual), strict=True):
             torch.testing.assert_close(a, b)
         positions = torch.randint(0, 64, (tokens,))
         q, k = torch.randn(tokens, 4, 16), torch.randn(tokens, 2, 16)
-        for a, b in zip(fused["rope"](positions, q, k), plain["rope"](positions, q, k)):
+        for a, b in zip(fused["rope"](positions, q, k), plain["rope"](positions, q, k), strict=True):
             torch.testing.assert_close(a, b)
         h = torch.randn(tokens, 64)
         torch.testing.assert_close(fused["act"](h), plain["act"](h))
