@@ -1,6 +1,6 @@
 """Offline batch generation with the vLLM-style API.
 
-    python examples/generate.py [MODEL]   # MODEL: HF directory or .gguf; default: SmolLM2-135M-Instruct
+python examples/generate.py [MODEL]   # MODEL: HF directory or .gguf; default: SmolLM2-135M-Instruct
 """
 
 import sys
