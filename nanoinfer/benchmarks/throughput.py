@@ -165,10 +165,14 @@ def profile_decode_step(llm, batch: int = 256, context: int = 1024) -> dict[str,
     from torch.profiler import ProfilerActivity, profile
 
     from nanoinfer import SamplingParams
+    from nanoinfer.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     rng = random.Random(2)
-    params = SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True)
+    # Final-only outputs, as LLM.generate uses: the profile is of the offline benchmark's step.
+    params = SamplingParams(
+        temperature=0.6, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     for i in range(batch):
         engine.add_request(f"profile-{i}", [rng.randint(0, 10000) for _ in range(context)], params)
     while engine.scheduler.waiting:

@@ -4,6 +4,8 @@ An alternative to the Triton paged prefill kernel: the context of each sequence 
 the paged cache into one contiguous [total_context, num_kv_heads, head_dim] buffer, then attended with
 bottom-right-aligned causal masking (query ``i`` of a sequence sits at ``seq_len - q_len + i``).
 It reads one device value on the host (the total context length), so it is for eager prefill only.
+Kept for the comparison in scripts/gpu_kernels.py: on the H200 it measured slower than the Triton
+kernel (docs/benchmarks.md), so the engine does not use it.
 """
 
 from __future__ import annotations
