@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from nanoinfer import LLM, SamplingParams  # noqa: E402
 from nanoinfer.benchmarks.random_checkpoint import QWEN3_SHAPES, write_random_qwen3  # noqa: E402
+from nanoinfer.benchmarks.throughput import make_workload  # noqa: E402
 from tests.fixtures import build_model  # noqa: E402
 
 TINY_SHAPE = dict(
@@ -176,18 +177,6 @@ def random_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) 
 
 
 # -- throughput ------------------------------------------------------------------------------------------
-
-
-def make_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
-    """The benchmark's generator order (all prompts, then all output lengths), at reduced size."""
-    random.seed(args.seed)
-    top = min(10000, vocab - 1)
-    prompts = [
-        [random.randint(0, top) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
-        for _ in range(args.num_seqs)
-    ]
-    max_tokens = [random.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
-    return prompts, max_tokens
 
 
 def time_throughput(shape_name: str, model: str, tp: int, engine_kwargs: dict, prompts, max_tokens) -> dict:
@@ -372,7 +361,13 @@ def main() -> int:
             try:
                 model = random_checkpoint(shape_name)
                 vocab = TINY_SHAPE["vocab_size"] if args.tiny else QWEN3_SHAPES[shape_name]["vocab_size"]
-                prompts, max_tokens = make_workload(args, vocab)
+                prompts, max_tokens = make_workload(
+                    args.num_seqs,
+                    (args.min_input_len, args.max_input_len),
+                    (args.min_output_len, args.max_output_len),
+                    args.seed,
+                    max_token_id=min(10000, vocab - 1),
+                )
                 # Only num_seqs sequences ever run: no CUDA graphs for larger batches.
                 kwargs = dict(engine_kwargs, max_num_seqs=args.num_seqs, max_model_len=2048)
                 runs = [time_throughput(shape_name, model, tp, kwargs, prompts, max_tokens) for tp in (1, 2)]

@@ -48,14 +48,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
-    """Exactly nano-vLLM's generator order: all prompts first, then all output lengths."""
-    random.seed(args.workload_seed)
+def make_workload(
+    num_seqs: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int = 0,
+    max_token_id: int = 10000,
+) -> tuple[list[list[int]], list[int]]:
+    """Exactly nano-vLLM's generator order: all prompts first, then all output lengths. Lengths are
+    inclusive (min, max) ranges; ``max_token_id`` is lowered only for vocabularies smaller than 10000."""
+    random.seed(seed)
     prompts = [
-        [random.randint(0, 10000) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
-        for _ in range(args.num_seqs)
+        [random.randint(0, max_token_id) for _ in range(random.randint(*input_len))] for _ in range(num_seqs)
     ]
-    max_tokens = [random.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
+    max_tokens = [random.randint(*output_len) for _ in range(num_seqs)]
     return prompts, max_tokens
 
 
@@ -92,7 +98,12 @@ def run(args: argparse.Namespace) -> int:
         write_random_qwen3(model, args.random_shape, device="cuda" if torch.cuda.is_available() else "cpu")
         print(f"wrote random {args.random_shape} checkpoint in {time.perf_counter() - started:.1f}s")
 
-    prompts, max_tokens = make_workload(args)
+    prompts, max_tokens = make_workload(
+        args.num_seqs,
+        (args.min_input_len, args.max_input_len),
+        (args.min_output_len, args.max_output_len),
+        args.workload_seed,
+    )
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     started = time.perf_counter()
     llm = LLM(model, **engine_kwargs_from_args(args))
