@@ -116,9 +116,21 @@ def init_process_group(store: dist.Store, rank: int, size: int, device: torch.de
 
 
 def destroy_process_group() -> None:
+    """Leaves this process's group without waiting for the other ranks, whatever state they are in.
+
+    Under NCCL the communicator is aborted: torch's orderly ``destroy_process_group`` waits for the
+    other ranks to tear down too and for the communicator's work captured in CUDA graphs, and never
+    returns if a rank is gone or a graph is still alive (seen on 2 x H200, torch 2.11). Aborting an
+    idle communicator loses nothing (it is what ``destroy_process_group`` itself did in torch 2.4-2.6).
+    torch's abort is private API; no public one exists.
+    """
     global _failure_check
     _failure_check = None
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()
 
 

@@ -35,6 +35,10 @@ import time
 import traceback
 from pathlib import Path
 
+# Should anything hang, every thread's stack every HANG_DUMP_S (90) seconds, in rank 0 and in the
+# workers too (spawned processes re-run this module's top level).
+faulthandler.dump_traceback_later(float(os.environ.get("HANG_DUMP_S", "90")), repeat=True)
+
 # NVLink multicast stays off (the shared machines' rule); workers inherit the environment.
 for _name, _value in (
     ("NCCL_NVLS_ENABLE", "0"),
@@ -212,7 +216,7 @@ def time_throughput(shape_name: str, model: str, tp: int, engine_kwargs: dict, p
 # -- a worker killed mid-generation -----------------------------------------------------------------------
 
 
-def killed_worker_check(model: str, engine_kwargs: dict, deadline_s: float = 60.0) -> dict:
+def killed_worker_check(model: str, engine_kwargs: dict, deadline_s: float = 20.0) -> dict:
     """SIGKILLs the worker while TP=2 generates: rank 0 must raise a RuntimeError naming it, in seconds.
     On NCCL this exercises the watchdog that aborts the communicator (NCCL itself never notices a dead
     peer). Run last: if it hangs, faulthandler ends the script after ``2 * deadline_s``."""
@@ -259,7 +263,9 @@ def main() -> int:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-kill", action="store_true", help="skip the killed-worker check (run last)")
-    parser.add_argument("--near-tie", type=float, default=0.05, help="largest top-2 logprob margin of a tie")
+    # 0.1: twice the single-GPU check's 0.05 (bf16 against a float32 reference), since here both runs
+    # are bf16, each rounded its own way (the all-reduce changes the summation order).
+    parser.add_argument("--near-tie", type=float, default=0.1, help="largest top-2 logprob margin of a tie")
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--min-input-len", type=int, default=100)
     parser.add_argument("--max-input-len", type=int, default=1024)

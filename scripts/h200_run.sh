@@ -3,6 +3,10 @@
 #   scripts/h200_run.sh check   kernel + engine correctness (scripts/gpu_check.py) and the offline
 #                               throughput benchmark on a random Qwen3-0.6B-shaped checkpoint
 #   scripts/h200_run.sh serve   the OpenAI server on the same checkpoint under a request-rate sweep
+#   scripts/h200_run.sh tp      (2 GPUs) tensor parallelism: TP=2 against TP=1, correctness and
+#                               throughput (Qwen3-0.6B and -8B shapes), then a worker killed mid-run
+#                               (about 8 minutes)
+#   scripts/h200_run.sh sampler-ab  default-params throughput of this tree against the core-engine sampler
 # Server dependencies missing on the device travel as wheels in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/nanoinfer-out}
@@ -45,8 +49,18 @@ for _ in range(180):
     kill -INT "$server"
     wait "$server"
     ;;
+tp)
+    # One process for every stage (correctness, throughput, the killed worker last): the engines after
+    # the first start from warm compile caches. Results are saved after each stage, so a run cut short
+    # keeps what it measured. TP_SHAPES picks the throughput shapes.
+    timeout 560 python3 scripts/gpu_tp_check.py --shapes "${TP_SHAPES:-qwen3-0.6b,qwen3-8b}"
+    ;;
+sampler-ab)
+    write_checkpoint
+    timeout 150 python3 scripts/gpu_sampler_ab.py --model "$CKPT" --reps "${REPS:-3}"
+    ;;
 *)
-    echo "usage: $0 check|serve" >&2
+    echo "usage: $0 check|serve|tp|sampler-ab" >&2
     exit 2
     ;;
 esac

@@ -34,7 +34,9 @@ def build_model(
     tokenizer = build_tokenizer(directory)
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_cls(
-        vocab_size=len(tokenizer),
+        # A larger vocab_size than the tokenizer's gives the model ids no token has, as real checkpoints
+        # do (Qwen pads its embedding to a multiple of 128).
+        vocab_size=extra.pop("vocab_size", len(tokenizer)),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_hidden_layers,

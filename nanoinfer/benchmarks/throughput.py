@@ -98,16 +98,18 @@ def run(args: argparse.Namespace) -> int:
         write_random_qwen3(model, args.random_shape, device="cuda" if torch.cuda.is_available() else "cpu")
         print(f"wrote random {args.random_shape} checkpoint in {time.perf_counter() - started:.1f}s")
 
+    started = time.perf_counter()
+    llm = LLM(model, **engine_kwargs_from_args(args))
+    startup_s = time.perf_counter() - started
     prompts, max_tokens = make_workload(
         args.num_seqs,
         (args.min_input_len, args.max_input_len),
         (args.min_output_len, args.max_output_len),
         args.workload_seed,
+        # Small test vocabularies: token ids must exist (real ones are all above nano-vLLM's 10000).
+        max_token_id=min(10000, llm.llm_engine.config.hf_config.vocab_size - 1),
     )
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
-    started = time.perf_counter()
-    llm = LLM(model, **engine_kwargs_from_args(args))
-    startup_s = time.perf_counter() - started
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
 
     started = time.perf_counter()

@@ -317,7 +317,10 @@ class LLMEngine:
         text = self._token_texts.get(token_id)
         if text is None:
             token = self.tokenizer.convert_ids_to_tokens(token_id)
-            text = self._token_texts[token_id] = self.tokenizer.convert_tokens_to_string([token])
+            # None: an id of the model's vocabulary that the tokenizer lacks (padding rows of the
+            # embedding, as in Qwen's checkpoints); it decodes to nothing.
+            text = "" if token is None else self.tokenizer.convert_tokens_to_string([token])
+            self._token_texts[token_id] = text
         return text
 
     def _append_token(

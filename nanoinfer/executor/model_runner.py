@@ -124,15 +124,19 @@ class ModelRunner:
             self._capture_cuda_graphs()
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers (rank 0), leaves the process group, and drops the graphs,
-        the KV pool and the model so their device memory can be reused. Idempotent."""
+        """Drops the graphs, stops the tensor-parallel workers (rank 0), leaves the process group, and
+        drops the KV pool and the model so their device memory can be reused. Idempotent."""
+        # The graphs first: they hold the communicator's captured collectives. None may be running as
+        # it is freed (unless a rank has died: then work may never finish, and waiting would hang).
+        if self.device.type == "cuda" and (self.workers is None or self.workers.healthy):
+            torch.cuda.synchronize(self.device)
+        self.graphs.clear()
         if self.workers is not None:
             self.workers.stop()
             self.workers = None
         if self.owns_process_group:
             self.owns_process_group = False
             destroy_process_group()
-        self.graphs.clear()
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = None

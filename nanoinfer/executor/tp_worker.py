@@ -143,6 +143,10 @@ class TensorParallelWorkers:
 
         threading.Thread(target=watch, name="nanoinfer-tp-watchdog", daemon=True).start()
 
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and all(p.is_alive() for p in self.processes)
+
     def raise_if_dead(self) -> None:
         """Raises RuntimeError naming the worker that exited, with its traceback when it sent one."""
         if self.failure is None:
@@ -204,6 +208,10 @@ def _stop_workers(processes: list, channel: ChannelWriter, state: dict) -> None:
             channel.send(None, raise_if_any_dead, STOP_TIMEOUT_S)
         except RuntimeError:
             graceful = False
+    # Before waiting for the workers: they leave the group at the same time.
+    if state["owns_group"]:
+        state["owns_group"] = False
+        destroy_process_group()
     for p in processes:
         p.join(STOP_TIMEOUT_S if graceful else 0)
         if p.is_alive():
@@ -214,9 +222,6 @@ def _stop_workers(processes: list, channel: ChannelWriter, state: dict) -> None:
             p.kill()
             p.join(STOP_TIMEOUT_S)
     channel.close()
-    if state["owns_group"]:
-        state["owns_group"] = False
-        destroy_process_group()
 
 
 def _worker_main(

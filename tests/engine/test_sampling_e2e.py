@@ -287,3 +287,20 @@ def test_prompt_logprobs_over_chunked_prefill_and_prefix_hits(tiny_qwen3, hf_mod
     for i in range(1, len(prompt)):
         _check_position(out[0].prompt_logprobs[i], prompt[i], reference[i - 1], 2)
     assert _all_free(llm)
+
+
+def test_logprobs_of_ids_the_tokenizer_lacks(tmp_path):
+    # The model's vocabulary is larger than the tokenizer's (padding ids): such ids among the top
+    # logprobs, or sampled, decode to "" instead of failing the step.
+    from tests.fixtures import build_model
+
+    llm = LLM(build_model(str(tmp_path / "padded"), vocab_size=512), device="cpu")
+    num_tokenizer_ids = len(llm.get_tokenizer())
+    out = _generate(
+        llm, [_prompt(12, seed=14)], SamplingParams(max_tokens=8, logprobs=20, prompt_logprobs=20)
+    )
+    entries = out[0].outputs[0].logprobs + out[0].prompt_logprobs[1:]
+    padded = [lp for e in entries for token_id, lp in e.items() if token_id >= num_tokenizer_ids]
+    assert padded, "no padding id among the top logprobs: the test would not exercise them"
+    assert all(lp.decoded_token == "" for lp in padded)
+    assert _all_free(llm)
