@@ -3,8 +3,9 @@
 1. Correctness, bf16, CUDA graphs on: greedy tokens at TP=2 against TP=1 on random-weight Qwen3
    checkpoints built here, with the logprob-closeness rule: the sequences must be identical up to their
    first divergence, and that divergence must be at a near-tie of the TP=1 run (top-2 logprob margin
-   under --near-tie). Models: one with a single KV head (replicated on both ranks) and 4 query heads,
-   and the Qwen3-0.6B shape (16 query / 8 KV heads).
+   under --near-tie), with chunked prefill; models: one with a single KV head (replicated on both
+   ranks) and 4 query heads, with prefix-cache hits, and the Qwen3-0.6B shape (16 query / 8 KV heads)
+   with a KV pool small enough to preempt sequences.
 2. Throughput: nanoinfer's offline generate at TP=1 and TP=2 on Qwen3-0.6B- and Qwen3-8B-shaped random
    checkpoints (written in bf16 straight from GPU tensors), with a reduced version of the benchmark
    workload: 64 sequences, prompts of 100-1024 random tokens, 100-512 output tokens, seed 0,
@@ -137,13 +138,22 @@ def compare_greedy(reference, candidate, near_tie: float) -> dict:
     }
 
 
-def correctness_check(name: str, model: str, engine_kwargs: dict, prompts, max_tokens: int, near_tie: float):
-    """Greedy generation of ``prompts`` at TP=1 and TP=2, then of prompts sharing the first one's prefix
-    (prefix-cache hits), compared with the closeness rule."""
+def correctness_check(
+    name: str,
+    model: str,
+    engine_kwargs: dict,
+    prompts,
+    max_tokens: int,
+    near_tie: float,
+    expect: str,
+):
+    """Greedy generation of ``prompts`` at TP=1 and TP=2, then of prompts sharing the first one's prefix,
+    compared with the closeness rule. ``expect``: "prefix hits" (the sharing prompts must hit the prefix
+    cache) or "preemption" (the pool is too small for the batch: sequences must be preempted)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     first = prompts[0]
     sharing = [first + [7, 8, 9], first[: len(first) // 2 + 20]]
-    outputs, cached = {}, {}
+    outputs, cached, preemptions = {}, {}, {}
     for tp in (1, 2):
         started = time.perf_counter()
         with LLM(model, tensor_parallel_size=tp, **engine_kwargs) as llm:
@@ -151,18 +161,21 @@ def correctness_check(name: str, model: str, engine_kwargs: dict, prompts, max_t
             second = llm.generate(sharing, params, use_tqdm=False)
             outputs[tp] += second
             cached[tp] = [o.num_cached_tokens for o in second]
+            preemptions[tp] = llm.engine_stats()["num_preemptions"]
         log(f"  {name}: TP={tp} generated in {time.perf_counter() - started:.1f}s")
         release_memory()
-    result = {"name": name, **compare_greedy(outputs[1], outputs[2], near_tie)}
+    result = {"name": name, "expect": expect, **compare_greedy(outputs[1], outputs[2], near_tie)}
     result["prefix_cached_tokens"] = cached
-    if not all(cached[2]):
+    result["num_preemptions"] = preemptions
+    expected_seen = all(cached[2]) if expect == "prefix hits" else all(preemptions.values())
+    if not expected_seen:
         result["ok"] = False
         result["failures"] += 1
     log(
         f"  {name}: {'OK' if result['ok'] else 'FAIL'}: {result['identical']} identical, "
         f"{result['near_tie_divergences']} near-tie divergences, {result['failures']} failures; "
         f"max logprob diff before divergence {result['max_logprob_diff_before_divergence']}; "
-        f"prefix-cached tokens {cached}"
+        f"prefix-cached tokens {cached}; preemptions {preemptions} ({expect} expected)"
     )
     return result
 
@@ -326,16 +339,22 @@ def main() -> int:
 
     if not args.skip_correctness:
         log("correctness: TP=2 against TP=1, greedy, logprob-closeness rule")
+        # The second check's pool holds about a quarter of its batch: sequences are preempted.
+        small_pool = dict(num_kvcache_blocks=8 if args.tiny else 100)
         checks = [
             (
                 "one KV head replicated (4 q / 1 kv heads)",
                 lambda: build_kv1_model(str(workdir / "kv1")),
                 384,
+                {},
+                "prefix hits",
             ),
             (
-                "qwen3-0.6b shape",
+                "qwen3-0.6b shape, small KV pool",
                 lambda: random_checkpoint("qwen3-0.6b"),
                 TINY_SHAPE["vocab_size"] if args.tiny else 10000,
+                small_pool,
+                "preemption",
             ),
         ]
         num, lo, hi, new = (4, 24, 60, 16) if args.tiny else (16, 60, 600, 64)
@@ -346,11 +365,12 @@ def main() -> int:
             max_num_seqs=32,
             max_model_len=2048,
         )
-        for name, build, vocab in checks:
+        for name, build, vocab, extra_kwargs, expect in checks:
             try:
                 model = build()
                 prompts = random_prompts(num, lo, hi, vocab, seed=1)
-                result = correctness_check(name, model, correctness_kwargs, prompts, new, args.near_tie)
+                kwargs = dict(correctness_kwargs, **extra_kwargs)
+                result = correctness_check(name, model, kwargs, prompts, new, args.near_tie, expect)
                 ok &= result["ok"]
                 report.data["correctness"].append(result)
             except Exception:
