@@ -30,9 +30,18 @@ _TOP_P_CANDIDATES = 4096
 _PROMPT_LOGPROB_CHUNK = 256
 
 
+def _fill_exponential(noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fills ``noise`` in place with Exp(1) draws. On CUDA ``exponential_`` is one kernel; on the CPU it
+    is about 5x slower than -log(U), U ~ Uniform[0, 1) (the same distribution), and took a fifth of a
+    sampled decode step of a 135M model at batch 16."""
+    if noise.device.type == "cuda":
+        return noise.exponential_(1, generator=generator)
+    return noise.uniform_(generator=generator).log_().neg_()
+
+
 def _exponential_noise(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     # Clamped: an exact 0 would turn a zero probability into 0/0 = NaN, which argmax picks.
-    return torch.empty_like(probs).exponential_(1, generator=generator).clamp_min_(1e-10)
+    return _fill_exponential(torch.empty_like(probs), generator).clamp_min_(1e-10)
 
 
 class Sampler(nn.Module):
@@ -176,14 +185,14 @@ class Sampler(nn.Module):
             return _exponential_noise(probs, generator)
         noise = torch.empty_like(probs)
         if len(seeded) < len(rows):
-            noise.exponential_(1, generator=generator)  # seeded rows are overwritten below
+            _fill_exponential(noise, generator)  # seeded rows are overwritten below
         seeded_generator = self._seeded_generators.get(probs.device)
         if seeded_generator is None:
             seeded_generator = torch.Generator(device=probs.device)
             self._seeded_generators[probs.device] = seeded_generator
         for i, row in seeded:
             seeded_generator.manual_seed(derive_seed(row.seed, row.num_output_tokens))
-            noise[i].exponential_(1, generator=seeded_generator)
+            _fill_exponential(noise[i], seeded_generator)
         return noise.clamp_min_(1e-10)
 
     # -- prompt logprobs -------------------------------------------------------------------------------

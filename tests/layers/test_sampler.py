@@ -273,3 +273,13 @@ def test_temperature_only_batches_take_the_short_path(monkeypatch):
     rows = [_row(SamplingParams(temperature=t)) for t in (0.0, 0.7, 1.0)]
     tokens = sampler(logits, rows, torch.Generator().manual_seed(0)).token_ids
     assert not called and tokens[0] == int(logits[0].argmax())
+
+
+def test_cpu_noise_is_exponential():
+    # The CPU draws Exp(1) as -log(U): its mean, tail and range must be those of Exp(1).
+    from nanoinfer.layers.sampler import _fill_exponential
+
+    noise = _fill_exponential(torch.empty(400_000), torch.Generator().manual_seed(0))
+    assert abs(noise.mean().item() - 1.0) < 0.01
+    assert abs((noise > 2.0).float().mean().item() - math.exp(-2.0)) < 0.002
+    assert noise.min().item() > 0.0
