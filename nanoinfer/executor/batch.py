@@ -4,6 +4,7 @@ worker processes), and the runner's answer: no Sequence objects, no queues."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,6 +32,25 @@ class ScheduledRow:
 class ModelInput:
     is_prefill: bool
     rows: list[ScheduledRow]
+
+
+class StepInputs(NamedTuple):
+    """One step's model inputs as host arrays, built once from a ModelInput by rank 0's model runner.
+    Under tensor parallelism it is also what the workers receive: a few numpy arrays pickle as plain
+    memory copies, and the workers need no Python pass over the rows of their own."""
+
+    is_prefill: bool
+    input_ids: np.ndarray  # int64 [tokens]
+    positions: np.ndarray  # int64 [tokens]
+    slot_mapping: np.ndarray  # int64 [tokens]; -1: write no K/V (warm-up rows)
+    query_start_loc: np.ndarray  # int32 [rows + 1]
+    seq_lens: np.ndarray  # int32 [rows], context length including this step's tokens
+    block_tables: np.ndarray  # int32 [rows, widest table]
+    max_query_len: int
+    max_seq_len: int
+    sample_token_index: np.ndarray  # int64: the last token of each row that samples
+    # Tokens whose logits give prompt logprobs (computing logits is a collective: every rank joins).
+    prompt_logprob_token_index: np.ndarray | None = None
 
 
 @dataclass

@@ -3,6 +3,7 @@ attention metadata, replays CUDA graphs for decode and samples."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -16,13 +17,14 @@ from nanoinfer.distributed import (
     init_process_group,
     tensor_parallel_scope,
 )
-from nanoinfer.executor.batch import ModelInput, SamplerOutput
-from nanoinfer.executor.tp_worker import TensorParallelWorkers, WorkerBatch, slim_model_input
+from nanoinfer.executor.batch import ModelInput, SamplerOutput, ScheduledRow, StepInputs
+from nanoinfer.executor.tp_worker import TensorParallelWorkers
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
 from nanoinfer.layers.fused import use_compiled_ops
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.checkpoint import load_weights
 from nanoinfer.models.decoder import DecoderForCausalLM
+from nanoinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,60 @@ def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] < cap:
         sizes.append(cap)
     return sizes
+
+
+def prepare_step(batch: ModelInput, block_size: int) -> StepInputs:
+    """The step's inputs as host arrays (also what the tensor-parallel workers are sent)."""
+    rows = batch.rows
+    q_lens = [len(r.token_ids) for r in rows]
+    seq_lens = [r.start_pos + n for r, n in zip(rows, q_lens, strict=True)]
+    tables = [r.block_table for r in rows]
+    if batch.is_prefill:
+        input_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in rows), np.int64)
+        per_row = [np.arange(r.start_pos, n, dtype=np.int64) for r, n in zip(rows, seq_lens, strict=True)]
+        positions = np.concatenate(per_row)
+        slots = [
+            np.asarray(table)[pos // block_size] * block_size + pos % block_size
+            if table
+            else np.full(len(pos), -1)  # warm-up rows: no cache yet
+            for pos, table in zip(per_row, tables, strict=True)
+        ]
+        slot_mapping = np.concatenate(slots).astype(np.int64, copy=False)
+    else:
+        # One token per row, at position seq_len - 1. Plain Python beats per-row numpy here.
+        input_ids = np.fromiter((r.token_ids[0] for r in rows), np.int64, count=len(rows))
+        positions = np.asarray(seq_lens, dtype=np.int64) - 1
+        slot_list = [
+            table[(n - 1) // block_size] * block_size + (n - 1) % block_size
+            for table, n in zip(tables, seq_lens, strict=True)
+        ]
+        slot_mapping = np.asarray(slot_list, dtype=np.int64)
+    block_tables = np.zeros((len(rows), max(1, max(len(t) for t in tables))), dtype=np.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = table
+    query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    sample_rows = [i for i, r in enumerate(rows) if r.sample]
+    prompt_jobs = [(i, len(r.prompt_logprob_targets)) for i, r in enumerate(rows) if r.prompt_logprob_targets]
+    prompt_logprob_token_index = None
+    if prompt_jobs:
+        # Each such row's first len(prompt_logprob_targets) tokens, rows in order.
+        prompt_logprob_token_index = np.concatenate(
+            [query_start_loc[i] + np.arange(count, dtype=np.int64) for i, count in prompt_jobs]
+        )
+    return StepInputs(
+        is_prefill=batch.is_prefill,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=np.asarray(seq_lens, dtype=np.int32),
+        block_tables=block_tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        sample_token_index=query_start_loc[1:][sample_rows].astype(np.int64) - 1,
+        prompt_logprob_token_index=prompt_logprob_token_index,
+    )
 
 
 class ModelRunner:
@@ -157,12 +213,12 @@ class ModelRunner:
         cfg = self.config
         seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
-        rows = [[0] * seq_len for _ in range(num_seqs)]
-        input_ids = torch.zeros(seq_len * num_seqs, dtype=torch.long, device=self.device)
-        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
-        meta = self._metadata(True, [list(range(seq_len))] * num_seqs, [[]] * num_seqs, rows)
-        hidden = self.model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
+        # Rows without a block table: their K/V is not written (there is no cache yet).
+        params = SamplingParams()
+        rows = [ScheduledRow([0] * seq_len, 0, [], True, params) for _ in range(num_seqs)]
+        step = prepare_step(ModelInput(True, rows), self.block_size)
+        hidden = self._forward(step)
+        logits = self.model.compute_logits(hidden[self._to_device(step.sample_token_index)])
         if logits is not None:  # None on tensor-parallel workers: rank 0 samples
             self.sampler.sample_tokens(logits, torch.ones(num_seqs, device=self.device), self.generator)
         torch.cuda.synchronize()
@@ -207,75 +263,59 @@ class ModelRunner:
 
     # -- batch preparation -----------------------------------------------------------------------------
 
-    def _metadata(self, is_prefill, positions_per_row, block_tables, token_rows) -> AttentionMetadata:
-        bs = self.block_size
-        q_lens = [len(t) for t in token_rows]
-        seq_lens = [p[-1] + 1 if p else 0 for p in positions_per_row]
-        if not is_prefill:
-            # Decode: one token per row, at position seq_len - 1. Plain Python beats per-row numpy here.
-            slot_list = [
-                table[(n - 1) // bs] * bs + (n - 1) % bs
-                for table, n in zip(block_tables, seq_lens, strict=True)
-            ]
-            slot_array = np.asarray(slot_list, dtype=np.int64)
-        else:
-            slots = []
-            for pos, table in zip(positions_per_row, block_tables, strict=True):
-                if table:
-                    pos_arr = np.asarray(pos)
-                    slots.append(np.asarray(table)[pos_arr // bs] * bs + pos_arr % bs)
-                else:  # warm-up rows: no cache yet
-                    slots.append(np.full(len(pos), -1))
-            slot_array = np.concatenate(slots).astype(np.int64)
-        width = max(1, max(len(t) for t in block_tables))
-        table_arr = np.zeros((len(block_tables), width), dtype=np.int32)
-        for i, t in enumerate(block_tables):
-            table_arr[i, : len(t)] = t
-        dev = self.device
-        return AttentionMetadata(
-            is_prefill=is_prefill,
-            slot_mapping=torch.from_numpy(slot_array).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table_arr).to(dev, non_blocking=True),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The model's hidden states for every token of the step (a decode step replays a CUDA graph)."""
+        to_device = self._to_device
+        input_ids, positions = to_device(step.input_ids), to_device(step.positions)
+        meta = AttentionMetadata(
+            is_prefill=step.is_prefill,
+            slot_mapping=to_device(step.slot_mapping),
+            query_start_loc=to_device(step.query_start_loc),
+            seq_lens=to_device(step.seq_lens),
+            block_tables=to_device(step.block_tables),
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
         )
+        num_rows = len(step.seq_lens)
+        graph_bs = None if step.is_prefill else next((b for b in self.graphs if b >= num_rows), None)
+        if graph_bs is not None:
+            return self._replay_graph(graph_bs, input_ids, positions, meta)
+        return self.model(input_ids, positions, meta)
 
     # -- execution -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ModelInput | WorkerBatch) -> SamplerOutput:
-        """Runs one batch; returns one sampled token per row with ``sample`` set, in row order (on rank 0;
-        other ranks sample nothing). Rank 0 first hands the batch to the tensor-parallel workers."""
+    def execute(self, batch: ModelInput) -> SamplerOutput:
+        """Runs one batch on rank 0; returns one sampled token per row with ``sample`` set, in row order.
+        The tensor-parallel workers are handed the step's inputs first (see :meth:`execute_step`)."""
+        step = prepare_step(batch, self.block_size)
         if self.workers is not None:
-            self.workers.send(slim_model_input(batch))
-        rows = batch.rows
-        positions_per_row = [range(r.start_pos, r.start_pos + len(r.token_ids)) for r in rows]
-        token_ids = [t for r in rows for t in r.token_ids]
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        flat_positions = [p for ps in positions_per_row for p in ps]
-        positions = torch.tensor(flat_positions, dtype=torch.long, device=self.device)
-        tables, token_rows = [r.block_table for r in rows], [r.token_ids for r in rows]
-        meta = self._metadata(batch.is_prefill, positions_per_row, tables, token_rows)
+            self.workers.send(step)
+        return self._run(step, batch.rows)
 
-        graph_bs = next((b for b in self.graphs if b >= len(rows)), None) if not batch.is_prefill else None
-        if graph_bs is not None:
-            hidden = self._replay_graph(graph_bs, input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, meta)
+    @torch.inference_mode()
+    def execute_step(self, step: StepInputs) -> None:
+        """A tensor-parallel worker's step: the same forward pass and logits as rank 0 (their collectives
+        pair up), no sampling."""
+        self._run(step, None)
 
-        sample_rows = [i for i, r in enumerate(rows) if r.sample]
-        # Like compute_logits below, prompt logprobs (logits of prompt positions) run on every
-        # tensor-parallel rank; both give None on the workers.
-        prompt_logprobs = self.sampler.prompt_logprobs(hidden, rows, self.model.compute_logits)
+    def _run(self, step: StepInputs, rows: list[ScheduledRow] | None) -> SamplerOutput | None:
+        hidden = self._forward(step)
+        # Logits (of prompt positions, then of sampled rows) are collectives under tensor parallelism:
+        # every rank computes them; they are None on the workers.
+        prompt_logprobs = None
+        if step.prompt_logprob_token_index is not None:
+            index = self._to_device(step.prompt_logprob_token_index)
+            prompt_logprobs = self.sampler.prompt_logprobs(hidden, index, self.model.compute_logits, rows)
         logits = None
-        if sample_rows:
-            last_token_index = meta.query_start_loc[1:] - 1
-            index = last_token_index[torch.tensor(sample_rows, device=self.device)]
-            logits = self.model.compute_logits(hidden[index])
-        # logits is None when no row samples, and on tensor-parallel workers (rank 0 samples).
-        return self.sampler(logits, [rows[i] for i in sample_rows], self.generator, prompt_logprobs)
+        if len(step.sample_token_index):
+            logits = self.model.compute_logits(hidden[self._to_device(step.sample_token_index)])
+        if rows is None:
+            return None
+        return self.sampler(logits, [r for r in rows if r.sample], self.generator, prompt_logprobs)
 
     # -- CUDA graphs -----------------------------------------------------------------------------------
 

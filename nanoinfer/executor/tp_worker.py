@@ -16,7 +16,6 @@ import os
 import threading
 import traceback
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from nanoinfer.distributed import (
     init_process_group,
     set_failure_check,
 )
+from nanoinfer.executor.batch import StepInputs
 from nanoinfer.executor.shm_channel import ChannelReader, ChannelReaderHandle, ChannelWriter
 
 logger = logging.getLogger(__name__)
@@ -38,51 +38,14 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
 
 
-class WorkerRow(NamedTuple):
-    """What a worker needs of a ScheduledRow: the tokens to compute, where their K/V go, and which
-    positions get logits (computing logits is a collective that every rank must join). A named tuple:
-    it pickles and unpickles several times faster than a dataclass, and one is sent per row per step."""
-
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    sample: bool
-    prompt_logprob_targets: list[int] | None = None
-
-
-class WorkerBatch(NamedTuple):
-    is_prefill: bool
-    rows: list[WorkerRow]
-
-
-def slim_model_input(batch) -> WorkerBatch:
-    """The copy of a ModelInput that is sent to the workers: sampling parameters, token histories and
-    whatever else only rank 0's sampler reads are left out (a decode row's token_ids is already just
-    its last token)."""
-    return WorkerBatch(
-        batch.is_prefill,
-        [
-            WorkerRow(
-                r.token_ids,
-                r.start_pos,
-                r.block_table,
-                r.sample,
-                getattr(r, "prompt_logprob_targets", None) or None,
-            )
-            for r in batch.rows
-        ],
-    )
-
-
 def max_message_bytes(config: EngineConfig) -> int:
-    """An upper bound on a pickled WorkerBatch: at most max_num_seqs rows, T = max(max_num_batched_tokens,
-    max_num_seqs) tokens (and at most T prompt-logprob targets), and one block table per row of at most
-    max_blocks_per_seq + 1 entries. A pickled int in a list takes at most 5 bytes; a row's own overhead
-    (class reference, field names memoized after the first row, list headers) stays under 64 bytes."""
+    """An upper bound on a pickled StepInputs: T = max(max_num_batched_tokens, max_num_seqs) tokens (ids,
+    positions and slots, and at most T prompt-logprob positions: 8 bytes each), at most max_num_seqs
+    rows (4-byte query starts and lengths, 8-byte sample indices, a block table of at most
+    max_blocks_per_seq + 1 4-byte entries), and under 400 bytes of pickle framing per array."""
     rows = config.max_num_seqs
     tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-    table_entries = rows * (config.max_blocks_per_seq + 1)
-    return 4096 + 5 * (2 * tokens + table_entries) + 64 * rows
+    return 8192 + 8 * 4 * tokens + rows * (4 * (config.max_blocks_per_seq + 1) + 16)
 
 
 class TensorParallelWorkers:
@@ -178,9 +141,9 @@ class TensorParallelWorkers:
         """Waits until every worker has attached to the channel (its name is then unlinked)."""
         self.channel.wait_acks(self.raise_if_dead, COLLECTIVE_TIMEOUT.total_seconds())
 
-    def send(self, batch: WorkerBatch) -> None:
+    def send(self, step: StepInputs) -> None:
         self.raise_if_dead()
-        self.channel.send(batch, self.raise_if_dead, COLLECTIVE_TIMEOUT.total_seconds())
+        self.channel.send(step, self.raise_if_dead, COLLECTIVE_TIMEOUT.total_seconds())
 
     def stop(self, graceful: bool = True) -> None:
         """Stops the workers (a stop message when ``graceful``, else at once) and rank 0's process group."""
@@ -238,10 +201,10 @@ def _worker_main(
         reader = ChannelReader(handle)
         runner = ModelRunner(config, rank=rank, store_port=port)
         while True:
-            ok, batch = reader.recv(parent.is_alive)
-            if not ok or batch is None:  # rank 0's process is gone, or the stop message
+            ok, step = reader.recv(parent.is_alive)
+            if not ok or step is None:  # rank 0's process is gone, or the stop message
                 break
-            runner.execute(batch)
+            runner.execute_step(step)
     except KeyboardInterrupt:
         # Ctrl-C reaches the whole process group; rank 0 reports the interruption, this rank just ends.
         raise SystemExit(1) from None

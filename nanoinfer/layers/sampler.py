@@ -200,37 +200,30 @@ class Sampler(nn.Module):
     def prompt_logprobs(
         self,
         hidden: torch.Tensor,
-        rows: list[ScheduledRow],
+        token_index: torch.Tensor,
         compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+        rows: list[ScheduledRow] | None,
     ) -> dict[int, TokenLogprobs] | None:
         """Logprobs of the prompt tokens that follow each row's first positions (rows with
-        ``prompt_logprob_targets``). ``hidden`` holds every row's positions back to back.
+        ``prompt_logprob_targets``), as a dict from row index to its positions' logprobs.
 
-        ``compute_logits`` is a collective under tensor parallelism, so every rank calls it on the same
-        positions, found from ``token_ids`` and ``prompt_logprob_targets`` alone (all a worker's rows
-        carry); it returns None on the workers, and so does this.
+        ``token_index`` picks those positions out of ``hidden``: each such row's first
+        ``len(prompt_logprob_targets)`` tokens, rows in order. ``compute_logits`` is a collective under
+        tensor parallelism, so every rank calls it on the same positions; the workers pass no ``rows``
+        (they only join the collectives) and get None.
         """
-        jobs = [(i, r) for i, r in enumerate(rows) if r.prompt_logprob_targets]
-        if not jobs:
-            return {}
-        row_starts = np.cumsum([0] + [len(r.token_ids) for r in rows])
-        positions = np.concatenate(
-            [row_starts[i] + np.arange(len(r.prompt_logprob_targets)) for i, r in jobs]
-        )
-        positions = torch.from_numpy(positions).to(hidden.device)
-        targets = num_top = None
+        jobs = [(i, r) for i, r in enumerate(rows) if r.prompt_logprob_targets] if rows is not None else []
+        targets = [t for _, r in jobs for t in r.prompt_logprob_targets]
+        num_top = [r.params.prompt_logprobs for _, r in jobs for _ in r.prompt_logprob_targets]
         pieces: list[TokenLogprobs] = []
-        for begin in range(0, len(positions), _PROMPT_LOGPROB_CHUNK):
+        for begin in range(0, len(token_index), _PROMPT_LOGPROB_CHUNK):
             end = begin + _PROMPT_LOGPROB_CHUNK
-            logits = compute_logits(hidden[positions[begin:end]])
-            if logits is None:
+            logits = compute_logits(hidden[token_index[begin:end]])
+            if logits is None or rows is None:
                 continue
-            if targets is None:
-                targets = [t for _, r in jobs for t in r.prompt_logprob_targets]
-                num_top = [r.params.prompt_logprobs for _, r in jobs for _ in r.prompt_logprob_targets]
             chosen = torch.tensor(targets[begin:end], device=hidden.device)
             pieces.append(gather_logprobs(logits.float().log_softmax(dim=-1), chosen, num_top[begin:end]))
-        if not pieces:
+        if rows is None:
             return None
         merged = pieces[0]
         for piece in pieces[1:]:

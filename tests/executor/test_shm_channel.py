@@ -9,11 +9,13 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from nanoinfer.executor.batch import ModelInput, ScheduledRow
+from nanoinfer.executor.model_runner import prepare_step
 from nanoinfer.executor.shm_channel import ChannelReader, ChannelWriter
-from nanoinfer.executor.tp_worker import WorkerBatch, WorkerRow, max_message_bytes, slim_model_input
+from nanoinfer.executor.tp_worker import max_message_bytes
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -148,12 +150,12 @@ def _process_reader(handle, results) -> None:
         ok, batch = reader.recv(parent.is_alive)
         if not ok or batch is None:
             break
-        total += sum(sum(r.token_ids) + sum(r.block_table) for r in batch.rows)
+        total += int(batch.input_ids.sum() + batch.block_tables.sum())
     reader.close()
     results.put(total)
 
 
-def test_across_processes_with_worker_batches():
+def test_across_processes_with_step_inputs():
     ctx = mp.get_context("spawn")
     writer = ChannelWriter(1 << 16, 1, ctx)
     results = ctx.SimpleQueue()
@@ -164,12 +166,13 @@ def test_across_processes_with_worker_batches():
         if process.exitcode is not None:
             raise RuntimeError("reader exited")
 
+    params = SamplingParams()
     try:
         expected = 0
         for step in range(50):
-            batch = WorkerBatch(step % 2 == 0, [WorkerRow([step, 1], step, [step, 2, 3], True)])
-            expected += step + 1 + step + 5
-            writer.send(batch, check_alive, 30)
+            row = ScheduledRow([step, 1], 16 * step, list(range(step + 1)) + [step], True, params)
+            writer.send(prepare_step(ModelInput(step % 2 == 0, [row]), 16), check_alive, 30)
+            expected += step + (1 if step % 2 == 0 else 0) + sum(range(step + 1)) + step
         writer.send(None, check_alive, 30)
         process.join(30)
         assert process.exitcode == 0 and results.get() == expected
@@ -180,17 +183,28 @@ def test_across_processes_with_worker_batches():
     assert not _segment_exists(writer.name)
 
 
-def test_slim_copy_keeps_only_what_workers_need():
-    params = SamplingParams(temperature=0.5, max_tokens=3)
+def test_step_inputs_hold_the_rows_as_arrays_without_sampling_parameters():
+    params = SamplingParams(temperature=0.5, max_tokens=3, prompt_logprobs=1)
     rows = [
-        ScheduledRow([5, 6, 7], 0, [3], False, params),
-        ScheduledRow([9], 40, [3, 4, 8], True, params, prompt_logprob_targets=None),
+        ScheduledRow([5, 6, 7], 0, [3], False, params, prompt_logprob_targets=[6, 7, 8]),
+        ScheduledRow([9, 10], 39, [3, 4, 8], True, params),
     ]
-    slim = slim_model_input(ModelInput(True, rows))
-    assert slim == WorkerBatch(
-        True, [WorkerRow([5, 6, 7], 0, [3], False), WorkerRow([9], 40, [3, 4, 8], True)]
-    )
-    assert b"SamplingParams" not in pickle.dumps(slim)
+    step = prepare_step(ModelInput(True, rows), 16)
+    np.testing.assert_array_equal(step.input_ids, [5, 6, 7, 9, 10])
+    np.testing.assert_array_equal(step.positions, [0, 1, 2, 39, 40])
+    np.testing.assert_array_equal(step.slot_mapping, [48, 49, 50, 8 * 16 + 7, 8 * 16 + 8])
+    np.testing.assert_array_equal(step.query_start_loc, [0, 3, 5])
+    np.testing.assert_array_equal(step.seq_lens, [3, 41])
+    np.testing.assert_array_equal(step.block_tables, [[3, 0, 0], [3, 4, 8]])
+    assert (step.max_query_len, step.max_seq_len) == (3, 41)
+    np.testing.assert_array_equal(step.sample_token_index, [4])  # the second row's last token
+    np.testing.assert_array_equal(step.prompt_logprob_token_index, [0, 1, 2])
+    assert b"SamplingParams" not in pickle.dumps(step)
+
+    decode = prepare_step(ModelInput(False, [ScheduledRow([11], 40, [3, 4, 8], True, params)]), 16)
+    np.testing.assert_array_equal(decode.positions, [40])
+    np.testing.assert_array_equal(decode.slot_mapping, [8 * 16 + 8])
+    assert decode.prompt_logprob_token_index is None
 
 
 @pytest.mark.parametrize(
@@ -204,12 +218,13 @@ def test_size_bound_covers_the_largest_batch(seqs, budget, max_model_len, block_
         max_blocks_per_seq=(max_model_len + block_size - 1) // block_size,
     )
     width = cfg.max_blocks_per_seq + 1
-    big = 1 << 30  # every id pickled at its widest (5 bytes)
     tokens = max(budget, seqs)
     per_row = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+    params = SamplingParams(prompt_logprobs=1)
     rows = [
-        WorkerRow([big] * n, big, [big] * width, True, [big] * n)  # prompt logprobs everywhere, too
+        ScheduledRow([7] * n, 0, list(range(width)), True, params, prompt_logprob_targets=[7] * n)
         for n in per_row
-    ]
-    size = len(pickle.dumps(WorkerBatch(True, rows), protocol=pickle.HIGHEST_PROTOCOL))
+    ]  # full-width block tables, and prompt logprobs at every token
+    step = prepare_step(ModelInput(True, rows), block_size)
+    size = len(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
     assert size <= max_message_bytes(cfg)
