@@ -127,13 +127,15 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self.num_hashed_blocks.pop(seq.seq_id, None)
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the token about to be computed for ``seq`` has (or can get) a slot."""
-        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
-
-    def may_append(self, seq: Sequence) -> None:
-        if len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._take_free_block())
+    def try_append(self, seq: Sequence) -> bool:
+        """Gives the token about to be computed for ``seq`` a slot, taking a new block when it starts one;
+        False (nothing changed) when that block is needed and none is free."""
+        if len(seq.block_table) * self.block_size >= len(seq.token_ids):
+            return True
+        if not self.num_free_blocks:
+            return False
+        seq.block_table.append(self._take_free_block())
+        return True
 
     # -- prefix cache registration -------------------------------------------------------------------
 
@@ -143,6 +145,8 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         start = self.num_hashed_blocks.get(seq.seq_id, 0)
+        if num_full <= start:  # most decode steps: no block became full
+            return
         prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start else NO_HASH
         for i in range(start, num_full):
             tokens = seq.block_tokens(i)

@@ -86,14 +86,13 @@ class Scheduler:
         scheduled: list[Sequence] = []
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
+            while not self.block_manager.try_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())  # the latest arrival yields first
                 else:
                     self._preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))

@@ -11,7 +11,7 @@ import numpy as np
 from nanoinfer.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)  # one is built per sequence per step
 class ScheduledRow:
     token_ids: list[int]  # tokens to compute this step (a prompt chunk, or the one decode token)
     start_pos: int  # position of token_ids[0] == tokens already in the KV cache

@@ -116,13 +116,21 @@ def test_decode_appends_a_block_only_at_a_block_boundary():
     bm.allocate(seq, [])
     seq.num_computed_tokens = 4
     seq.append_token(5)  # token 5 sits at position 4: a new block is needed to compute it
-    assert bm.can_append(seq)
-    bm.may_append(seq)
+    assert bm.try_append(seq)
     assert len(seq.block_table) == 2
     seq.num_computed_tokens = 5
     seq.append_token(6)
-    bm.may_append(seq)
+    assert bm.try_append(seq)
     assert len(seq.block_table) == 2
+    seq.num_computed_tokens = 8
+    seq.append_token(7)
+    seq.append_token(8)
+    seq.append_token(9)  # position 8 starts a third block: the pool (3 blocks) has one left
+    assert bm.try_append(seq) and len(seq.block_table) == 3
+    seq.num_computed_tokens = 12
+    for token in (10, 11, 12, 13):
+        seq.append_token(token)  # position 12: a fourth block, and none is free
+    assert not bm.try_append(seq) and len(seq.block_table) == 3
 
 
 def test_prefix_caching_disabled_never_hits():
