@@ -168,7 +168,12 @@ def store_kvcache(
 # ----------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Triton compiles a separate variant of a kernel for each class of value of its integer arguments (1,
+# a multiple of 16, other). The arguments that change from batch to batch (sequence and token counts,
+# the block-table width, the split count) are left out of that, so that a new combination met in the
+# middle of a run does not cost a compilation (about a second when Triton's disk cache lacks it).
+# None of them is a stride of vectorized loads, so no variant would be faster.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     query_ptr,
     k_cache_ptr,
@@ -266,7 +271,7 @@ def _decode_split_kernel(
         tl.store(partial_lse_ptr + part_row, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     partial_out_ptr,
     partial_lse_ptr,
@@ -511,7 +516,7 @@ def _prefill_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt"])
 def _prefill_kernel(
     query_ptr,
     k_cache_ptr,
