@@ -36,9 +36,9 @@ import time
 import traceback
 from pathlib import Path
 
-# Should anything hang, every thread's stack every HANG_DUMP_S (90) seconds, in rank 0 and in the
+# Should anything hang, every thread's stack every HANG_DUMP_S (240) seconds, in rank 0 and in the
 # workers too (spawned processes re-run this module's top level).
-faulthandler.dump_traceback_later(float(os.environ.get("HANG_DUMP_S", "90")), repeat=True)
+faulthandler.dump_traceback_later(float(os.environ.get("HANG_DUMP_S", "240")), repeat=True)
 
 # NVLink multicast stays off (the shared machines' rule); workers inherit the environment.
 for _name, _value in (
