@@ -28,8 +28,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoinfer import LLM, SamplingParams  # noqa: E402
-from nanoinfer.benchmarks.throughput import make_workload  # noqa: E402
+from nanoinfer import LLM  # noqa: E402
+from nanoinfer.benchmarks.throughput import add_workload_args, workload_from_args  # noqa: E402
 from nanoinfer.executor.batch import SamplerOutput  # noqa: E402
 from nanoinfer.layers.sampler import Sampler  # noqa: E402
 
@@ -54,24 +54,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-input-len", type=int, default=100)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--min-output-len", type=int, default=100)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.6)
+    add_workload_args(parser)
     args = parser.parse_args()
 
     samplers = {"baseline": baseline_forward, "head": Sampler.forward}
     # The runs repeat one workload: with prefix caching the later ones would skip most of the prefill.
     llm = LLM(args.model, enable_prefix_caching=False)
-    prompts, max_tokens = make_workload(
-        args.num_seqs,
-        (args.min_input_len, args.max_input_len),
-        (args.min_output_len, args.max_output_len),
-        max_token_id=min(10000, llm.llm_engine.config.hf_config.vocab_size - 1),
-    )
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    prompts, params = workload_from_args(args, llm.llm_engine.config.hf_config.vocab_size)
+    output_tokens = sum(p.max_tokens for p in params)
     # One untimed pass: the compiled ops specialize on the first prompt lengths they meet.
     llm.generate(prompts, params, use_tqdm=False)
     runs = []
@@ -80,7 +70,7 @@ def main() -> int:
             Sampler.forward = forward
             started = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
-            tok_per_s = sum(max_tokens) / (time.perf_counter() - started)
+            tok_per_s = output_tokens / (time.perf_counter() - started)
             runs.append({"variant": variant, "rep": rep, "output_tok_per_s": round(tok_per_s, 1)})
             print(f"{variant} rep {rep}: {tok_per_s:.1f} tok/s", flush=True)
     Sampler.forward = samplers["head"]
@@ -89,7 +79,7 @@ def main() -> int:
     means = {v: statistics.mean(r["output_tok_per_s"] for r in runs if r["variant"] == v) for v in samplers}
     summary = {
         "hardware": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "output_tokens": sum(max_tokens),
+        "output_tokens": output_tokens,
         "runs": runs,
         "mean_output_tok_per_s": {v: round(m, 1) for v, m in means.items()},
         "head_over_baseline": round(means["head"] / means["baseline"], 4),

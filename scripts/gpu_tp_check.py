@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 
 from nanoinfer import LLM, SamplingParams  # noqa: E402
 from nanoinfer.benchmarks.random_checkpoint import QWEN3_SHAPES, write_random_qwen3  # noqa: E402
-from nanoinfer.benchmarks.throughput import make_workload  # noqa: E402
+from nanoinfer.benchmarks.throughput import add_workload_args, workload_from_args  # noqa: E402
 from tests.fixtures import build_model  # noqa: E402
 
 TINY_SHAPE = dict(
@@ -196,8 +196,7 @@ def random_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) 
 # -- throughput ------------------------------------------------------------------------------------------
 
 
-def time_throughput(shape_name: str, model: str, tp: int, engine_kwargs: dict, prompts, max_tokens) -> dict:
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+def time_throughput(shape_name: str, model: str, tp: int, engine_kwargs: dict, prompts, params) -> dict:
     started = time.perf_counter()
     with LLM(model, tensor_parallel_size=tp, **engine_kwargs) as llm:
         startup_s = time.perf_counter() - started
@@ -207,7 +206,7 @@ def time_throughput(shape_name: str, model: str, tp: int, engine_kwargs: dict, p
         elapsed = time.perf_counter() - started
         stats = llm.engine_stats()
     release_memory()
-    output_tokens = sum(max_tokens)
+    output_tokens = sum(p.max_tokens for p in params)
     result = {
         "shape": shape_name,
         "tensor_parallel_size": tp,
@@ -279,12 +278,8 @@ def main() -> int:
     # 0.1: twice the single-GPU check's 0.05 (bf16 against a float32 reference), since here both runs
     # are bf16, each rounded its own way (the all-reduce changes the summation order).
     parser.add_argument("--near-tie", type=float, default=0.1, help="largest top-2 logprob margin of a tie")
-    parser.add_argument("--num-seqs", type=int, default=64)
-    parser.add_argument("--min-input-len", type=int, default=100)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--min-output-len", type=int, default=100)
-    parser.add_argument("--max-output-len", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)
+    parser.set_defaults(num_seqs=64, max_output_len=512)
     parser.add_argument(
         "--workdir", default=None, help="where the random checkpoints go (default: a temp dir)"
     )
@@ -318,7 +313,8 @@ def main() -> int:
                     "max_input_len",
                     "min_output_len",
                     "max_output_len",
-                    "seed",
+                    "temperature",
+                    "workload_seed",
                 )
             },
         },
@@ -387,16 +383,10 @@ def main() -> int:
             try:
                 model = random_checkpoint(shape_name)
                 vocab = TINY_SHAPE["vocab_size"] if args.tiny else QWEN3_SHAPES[shape_name]["vocab_size"]
-                prompts, max_tokens = make_workload(
-                    args.num_seqs,
-                    (args.min_input_len, args.max_input_len),
-                    (args.min_output_len, args.max_output_len),
-                    args.seed,
-                    max_token_id=min(10000, vocab - 1),
-                )
+                prompts, params = workload_from_args(args, vocab)
                 # Only num_seqs sequences ever run: no CUDA graphs for larger batches.
                 kwargs = dict(engine_kwargs, max_num_seqs=args.num_seqs, max_model_len=2048)
-                runs = [time_throughput(shape_name, model, tp, kwargs, prompts, max_tokens) for tp in (1, 2)]
+                runs = [time_throughput(shape_name, model, tp, kwargs, prompts, params) for tp in (1, 2)]
                 report.data["throughput"].extend(runs)
                 speedup = runs[1]["output_tok_per_s"] / runs[0]["output_tok_per_s"]
                 report.data.setdefault("speedup_tp2_over_tp1", {})[shape_name] = round(speedup, 3)

@@ -27,13 +27,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         choices=["qwen3-0.6b", "qwen3-8b"],
         help="benchmark a random-weight checkpoint of this shape (written to a temp dir) instead of --model",
     )
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-input-len", type=int, default=100)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--min-output-len", type=int, default=100)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--workload-seed", type=int, default=0, help="random.seed of the workload")
+    add_workload_args(parser)
     parser.add_argument(
         "--hf-compare", type=int, default=0, metavar="N", help="also time transformers on N seqs"
     )
@@ -46,6 +40,34 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--result-file", help="write the results as JSON here")
     add_engine_args(parser)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's options, nano-vLLM's benchmark by default (other tools change the defaults with
+    ``parser.set_defaults``)."""
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-input-len", type=int, default=100)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--min-output-len", type=int, default=100)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--workload-seed", type=int, default=0, help="random.seed of the workload")
+
+
+def workload_from_args(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[Any]]:
+    """The prompts and their SamplingParams (EOS ignored: every sequence runs to its max_tokens)."""
+    from nanoinfer import SamplingParams
+
+    prompts, max_tokens = make_workload(
+        args.num_seqs,
+        (args.min_input_len, args.max_input_len),
+        (args.min_output_len, args.max_output_len),
+        args.workload_seed,
+        # Small test vocabularies: token ids must exist (real ones are all above nano-vLLM's 10000).
+        max_token_id=min(10000, vocab_size - 1),
+    )
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    return prompts, params
 
 
 def make_workload(
@@ -101,15 +123,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     llm = LLM(model, **engine_kwargs_from_args(args))
     startup_s = time.perf_counter() - started
-    prompts, max_tokens = make_workload(
-        args.num_seqs,
-        (args.min_input_len, args.max_input_len),
-        (args.min_output_len, args.max_output_len),
-        args.workload_seed,
-        # Small test vocabularies: token ids must exist (real ones are all above nano-vLLM's 10000).
-        max_token_id=min(10000, llm.llm_engine.config.hf_config.vocab_size - 1),
-    )
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    prompts, params = workload_from_args(args, llm.llm_engine.config.hf_config.vocab_size)
+    max_tokens = [p.max_tokens for p in params]
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
 
     started = time.perf_counter()
