@@ -130,7 +130,7 @@ class BlockManager:
     def try_append(self, seq: Sequence) -> bool:
         """Gives the token about to be computed for ``seq`` a slot, taking a new block when it starts one;
         False (nothing changed) when that block is needed and none is free."""
-        if len(seq.block_table) * self.block_size >= len(seq.token_ids):
+        if len(seq.block_table) >= seq.num_blocks:
             return True
         if not self.num_free_blocks:
             return False

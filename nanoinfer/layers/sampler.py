@@ -32,8 +32,8 @@ _PROMPT_LOGPROB_CHUNK = 256
 
 def _fill_exponential(noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Fills ``noise`` in place with Exp(1) draws. On CUDA ``exponential_`` is one kernel; on the CPU it
-    is about 5x slower than -log(U), U ~ Uniform[0, 1) (the same distribution), and took a fifth of a
-    sampled decode step of a 135M model at batch 16."""
+    is about 5x slower than -log(U), U ~ Uniform[0, 1) (the same distribution): 17.7 against 3.4 ms for
+    16 x 49,152 logits."""
     if noise.device.type == "cuda":
         return noise.exponential_(1, generator=generator)
     return noise.uniform_(generator=generator).log_().neg_()
@@ -219,7 +219,7 @@ class Sampler(nn.Module):
         for begin in range(0, len(token_index), _PROMPT_LOGPROB_CHUNK):
             end = begin + _PROMPT_LOGPROB_CHUNK
             logits = compute_logits(hidden[token_index[begin:end]])
-            if logits is None or rows is None:
+            if rows is None:  # a worker: it joins the collective, rank 0 gets the logits
                 continue
             chosen = torch.tensor(targets[begin:end], device=hidden.device)
             pieces.append(gather_logprobs(logits.float().log_softmax(dim=-1), chosen, num_top[begin:end]))
