@@ -11,7 +11,9 @@ creates (:func:`init_process_group`) before building its model: one tensor-paral
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,11 +28,16 @@ import torch.distributed as dist
 # thread aborts the communicator; rank 0 also checks its workers before every step): this bounds what is
 # left, a rank that hangs without exiting.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+# How long closing an engine waits for the NCCL communicator's abort (see start_abort).
+ABORT_TIMEOUT_S = 10.0
+
+logger = logging.getLogger(__name__)
 
 _rank, _size = 0, 1
 # Rank 0 installs a check that raises a precise error (which worker died, its traceback) when a
 # collective fails; held weakly so it does not keep the engine alive.
 _failure_check: weakref.WeakMethod | None = None
+_abort_thread: threading.Thread | None = None
 
 
 def tp_rank() -> int:
@@ -115,23 +122,48 @@ def init_process_group(store: dist.Store, rank: int, size: int, device: torch.de
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
 
 
-def destroy_process_group() -> None:
+def destroy_process_group() -> bool:
     """Leaves this process's group without waiting for the other ranks, whatever state they are in.
+    Returns False when an NCCL abort did not finish within ABORT_TIMEOUT_S (this process's GPU work
+    may then never finish; the group is left as it is).
 
     Under NCCL the communicator is aborted: torch's orderly ``destroy_process_group`` waits for the
     other ranks to tear down too and for the communicator's work captured in CUDA graphs, and never
     returns if a rank is gone or a graph is still alive (seen on 2 x H200, torch 2.11). Aborting an
     idle communicator loses nothing (it is what ``destroy_process_group`` itself did in torch 2.4-2.6).
-    torch's abort is private API; no public one exists.
     """
-    global _failure_check
+    global _failure_check, _abort_thread
     _failure_check = None
-    if not dist.is_initialized():
-        return
-    if dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
-    else:
-        dist.destroy_process_group()
+    if _abort_thread is None and not dist.is_initialized():
+        return True
+    if _abort_thread is not None or dist.get_backend() == "nccl":
+        thread = start_abort()
+        thread.join(ABORT_TIMEOUT_S)
+        if thread.is_alive():
+            logger.error(
+                "the NCCL communicator did not abort within %s s (a rank died mid-collective); this "
+                "process's GPU work may never finish: restart the process",
+                ABORT_TIMEOUT_S,
+            )
+            return False
+        _abort_thread = None
+        return True
+    dist.destroy_process_group()
+    return True
+
+
+def start_abort() -> threading.Thread:
+    """Aborts the NCCL communicators in a thread of their own (once; later calls return the same thread)
+    and returns it. An abort ends the kernels waiting on a dead rank, but NCCL may itself wait for that
+    rank while freeing its resources, so no caller waits on it without a bound. torch's abort is
+    private API; no public one exists."""
+    global _abort_thread
+    if _abort_thread is None:
+        _abort_thread = threading.Thread(
+            target=dist.distributed_c10d._abort_process_group, name="nanoinfer-nccl-abort", daemon=True
+        )
+        _abort_thread.start()
+    return _abort_thread
 
 
 def set_failure_check(check: Callable[[], None] | None) -> None:
@@ -140,7 +172,7 @@ def set_failure_check(check: Callable[[], None] | None) -> None:
     _failure_check = weakref.WeakMethod(check) if check is not None else None
 
 
-def _collective_failed(name: str, error: RuntimeError) -> RuntimeError:
+def _collective_failed(name: str, error: Exception) -> RuntimeError:
     check = _failure_check() if _failure_check is not None else None
     if check is not None:
         check()  # raises when it finds the cause
@@ -148,13 +180,15 @@ def _collective_failed(name: str, error: RuntimeError) -> RuntimeError:
 
 
 # -- collectives --------------------------------------------------------------------------------------
+# A failed collective raises RuntimeError; one called after the abort thread (start_abort) has torn the
+# group down raises ValueError (no default group): both mean another rank is gone.
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sums ``x`` across ranks, in place."""
     try:
         dist.all_reduce(x)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         raise _collective_failed("all-reduce", e) from e
     return x
 
@@ -163,18 +197,24 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         raise _collective_failed("all-reduce", e) from e
     return int(t.item())
 
 
 def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-    """Concatenates every rank's (equally shaped) shard along ``dim`` on rank 0; other ranks get None."""
-    rank, size = dist.get_rank(), dist.get_world_size()
+    """Concatenates every rank's (equally shaped) shard along ``dim`` on rank 0; other ranks get None.
+
+    An all-gather, not ``dist.gather``: NCCL builds gather from point-to-point sends, and a rank blocked
+    in those when its peer dies stays blocked through an abort of the communicator (seen on 2 x H200;
+    pytorch#113281), while collectives end. The root receives the same bytes either way; the other
+    ranks' copies cost memory, not time.
+    """
     x = x.contiguous()
-    shards = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
     try:
-        dist.gather(x, shards, dst=0)
-    except RuntimeError as e:
-        raise _collective_failed("gather", e) from e
-    return torch.cat(shards, dim=dim) if shards is not None else None
+        shards = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(shards, x)
+        rank = dist.get_rank()
+    except (RuntimeError, ValueError) as e:
+        raise _collective_failed("all-gather", e) from e
+    return torch.cat(shards, dim=dim) if rank == 0 else None

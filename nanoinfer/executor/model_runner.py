@@ -182,9 +182,13 @@ class ModelRunner:
     def close(self) -> None:
         """Drops the graphs, stops the tensor-parallel workers (rank 0), leaves the process group, and
         drops the KV pool and the model so their device memory can be reused. Idempotent."""
-        # The graphs first: they hold the communicator's captured collectives. None may be running as
-        # it is freed (unless a rank has died: then work may never finish, and waiting would hang).
-        if self.device.type == "cuda" and (self.workers is None or self.workers.healthy):
+        # Normally the graphs go first: they hold the communicator's captured collectives, and none may
+        # be running as it is freed. After a worker's death the work waiting for it never finishes by
+        # itself: the communicator is aborted first (stopping the workers), which ends that work.
+        if self.workers is not None and not self.workers.healthy:
+            self.workers.stop()
+            self.workers = None
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.graphs.clear()
         if self.workers is not None:
@@ -309,13 +313,23 @@ class ModelRunner:
         prompt_logprobs = None
         if step.prompt_logprob_token_index is not None:
             index = self._to_device(step.prompt_logprob_token_index)
-            prompt_logprobs = self.sampler.prompt_logprobs(hidden, index, self.model.compute_logits, rows)
+            prompt_logprobs = self.sampler.prompt_logprobs(hidden, index, self._compute_logits, rows)
         logits = None
         if len(step.sample_token_index):
-            logits = self.model.compute_logits(hidden[self._to_device(step.sample_token_index)])
+            logits = self._compute_logits(hidden[self._to_device(step.sample_token_index)])
         if rows is None:
             return None
         return self.sampler(logits, [r for r in rows if r.sample], self.generator, prompt_logprobs)
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.model.compute_logits(hidden)
+        if self.workers is not None and self.device.type == "cuda":
+            # The sampler reads the logits back, which blocks in CUDA until every collective before
+            # them has finished: a dead worker must raise an error instead.
+            event = torch.cuda.Event()
+            event.record()
+            self.workers.wait_for_device(event)
+        return logits
 
     # -- CUDA graphs -----------------------------------------------------------------------------------
 

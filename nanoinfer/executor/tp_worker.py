@@ -14,11 +14,11 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import threading
+import time
 import traceback
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.distributed import (
@@ -28,6 +28,7 @@ from nanoinfer.distributed import (
     ensure_no_process_group,
     init_process_group,
     set_failure_check,
+    start_abort,
 )
 from nanoinfer.executor.batch import StepInputs
 from nanoinfer.executor.shm_channel import ChannelReader, ChannelReaderHandle, ChannelWriter
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # A clean stop (stop message, model teardown) takes well under this; then the worker is killed.
 STOP_TIMEOUT_S = 10.0
+# How often rank 0 checks its workers while it waits for its GPU work under NCCL (wait_for_device).
+WORKER_CHECK_S = 0.01
 
 
 def max_message_bytes(config: EngineConfig) -> int:
@@ -90,11 +93,11 @@ class TensorParallelWorkers:
             self._start_nccl_watchdog()
 
     def _start_nccl_watchdog(self) -> None:
-        """NCCL, unlike gloo, does not notice a peer's death: a collective waiting for a dead worker would
-        block this rank until the process group's timeout. A thread watches the workers and, when one
-        dies, aborts the communicator, which ends the kernels waiting on it; the step then fails (or the
-        next one does, in :meth:`send`) with the worker's error. Stopping the workers silences it first."""
-        group = dist.group.WORLD
+        """NCCL, unlike gloo, does not notice a peer's death: a collective waiting for a dead worker
+        would wait until the process group's timeout. A thread watches the workers and, when one dies,
+        aborts the communicator, which ends the kernels waiting on it; rank 0 meanwhile waits for its
+        GPU work without blocking in CUDA (:meth:`wait_for_device`) and raises the worker's error.
+        Stopping the workers silences the watchdog first."""
         quiet_reader, self._state["watchdog_quiet"] = mp.Pipe(duplex=False)
         sentinels = [p.sentinel for p in self.processes]
 
@@ -102,9 +105,22 @@ class TensorParallelWorkers:
             ready = mp.connection.wait([*sentinels, quiet_reader])
             if quiet_reader not in ready:
                 logger.error("a tensor-parallel worker exited; aborting the NCCL communicator")
-                group.abort()
+                start_abort()
 
         threading.Thread(target=watch, name="nanoinfer-tp-watchdog", daemon=True).start()
+
+    def wait_for_device(self, event) -> None:
+        """Waits until ``event`` (a CUDA event recorded after the step's collectives) has completed,
+        checking the workers every WORKER_CHECK_S: a blocking synchronize would never return if a
+        worker died mid-collective and the communicator's abort did not end the wait. Raises the
+        worker's error when one has exited."""
+        next_check = time.monotonic() + WORKER_CHECK_S
+        while not event.query():
+            if time.monotonic() >= next_check:
+                self.raise_if_dead()
+                next_check = time.monotonic() + WORKER_CHECK_S
+            time.sleep(0)  # lets other threads (the server's event loop) run
+        self.raise_if_dead()
 
     @property
     def healthy(self) -> bool:
@@ -202,7 +218,13 @@ def _worker_main(
         runner = ModelRunner(config, rank=rank, store_port=port)
         while True:
             ok, step = reader.recv(parent.is_alive)
-            if not ok or step is None:  # rank 0's process is gone, or the stop message
+            if not ok:
+                # Rank 0's process is gone, perhaps in the middle of a collective: under NCCL this rank's
+                # queued GPU work would then never finish, and a teardown would wait for it. Exiting
+                # hands everything back to the OS.
+                logger.error("tensor-parallel worker rank %d: rank 0's process is gone; exiting", rank)
+                os._exit(1)
+            if step is None:  # the stop message
                 break
             runner.execute_step(step)
     except KeyboardInterrupt:

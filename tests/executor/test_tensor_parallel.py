@@ -215,12 +215,59 @@ def test_interpreter_exit_stops_workers(tiny_qwen3, tmp_path):
     assert "leaked" not in proc.stderr  # no resource-tracker warnings (shared memory, semaphores)
 
 
+class _Event:
+    """Stands in for a CUDA event: ``query()`` says whether the work before it has finished."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+_KILL_RANK0 = """
+import os
+import signal
+import sys
+
+from nanoinfer import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    workers = llm.llm_engine.model_runner.workers.processes
+    print(" ".join(str(p.pid) for p in workers), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no exit hook runs: the worker must notice by itself
+"""
+
+
+def test_worker_exits_when_rank0_is_killed(tiny_qwen3, tmp_path):
+    script = tmp_path / "kill_rank0.py"
+    script.write_text(_KILL_RANK0)
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(script), tiny_qwen3], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 1
+    assert _wait_gone(pids) == []
+
+
 def test_killed_idle_worker_raises_instead_of_hanging(tiny_qwen3):
     with _hang_guard(90):
         llm = LLM(tiny_qwen3, tensor_parallel_size=2)
+        workers = llm.llm_engine.model_runner.workers
         (worker,) = _workers(llm)
+        workers.wait_for_device(_Event(done=True))  # healthy workers, finished work: returns
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
+        # Rank 0 waiting for GPU work that a dead worker's collective keeps from finishing (NCCL): the
+        # wait ends with the worker's error, promptly.
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"worker rank 1 \(pid {worker.pid}\) exited with code -9"):
+            workers.wait_for_device(_Event(done=False))
+        assert time.monotonic() - start < 1
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=rf"worker rank 1 \(pid {worker.pid}\) exited with code -9"):
             llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
