@@ -172,7 +172,10 @@ class TensorParallelWorkers:
 def _stop_workers(processes: list, channel: ChannelWriter, state: dict) -> None:
     quiet = state.pop("watchdog_quiet", None)
     if quiet is not None:
-        quiet.send(None)  # the workers exiting from now on is expected
+        try:
+            quiet.send(None)  # the workers exiting from now on is expected
+        except BrokenPipeError:
+            pass  # the watchdog has already fired (a worker died) and closed its end
         quiet.close()
 
     def raise_if_any_dead() -> None:
