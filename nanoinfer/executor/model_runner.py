@@ -307,16 +307,22 @@ class ModelRunner:
         self._run(step, None)
 
     def _run(self, step: StepInputs, rows: list[ScheduledRow] | None) -> SamplerOutput | None:
+        # Every copy to the device before the forward pass: a copy from pageable host memory first waits
+        # for the stream, which under tensor parallelism holds collectives that a dead rank never ends.
+        prompt_index = sample_index = None
+        if step.prompt_logprob_token_index is not None:
+            prompt_index = self._to_device(step.prompt_logprob_token_index)
+        if len(step.sample_token_index):
+            sample_index = self._to_device(step.sample_token_index)
         hidden = self._forward(step)
         # Logits (of prompt positions, then of sampled rows) are collectives under tensor parallelism:
         # every rank computes them; they are None on the workers.
         prompt_logprobs = None
-        if step.prompt_logprob_token_index is not None:
-            index = self._to_device(step.prompt_logprob_token_index)
-            prompt_logprobs = self.sampler.prompt_logprobs(hidden, index, self._compute_logits, rows)
+        if prompt_index is not None:
+            prompt_logprobs = self.sampler.prompt_logprobs(hidden, prompt_index, self._compute_logits, rows)
         logits = None
-        if len(step.sample_token_index):
-            logits = self._compute_logits(hidden[self._to_device(step.sample_token_index)])
+        if sample_index is not None:
+            logits = self._compute_logits(hidden[sample_index])
         if rows is None:
             return None
         return self.sampler(logits, [r for r in rows if r.sample], self.generator, prompt_logprobs)

@@ -9,6 +9,7 @@ message, or by itself when rank 0's process is gone.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -172,10 +173,9 @@ class TensorParallelWorkers:
 def _stop_workers(processes: list, channel: ChannelWriter, state: dict) -> None:
     quiet = state.pop("watchdog_quiet", None)
     if quiet is not None:
-        try:
-            quiet.send(None)  # the workers exiting from now on is expected
-        except BrokenPipeError:
-            pass  # the watchdog has already fired (a worker died) and closed its end
+        # The workers exiting from now on is expected. A broken pipe: the watchdog has already fired.
+        with contextlib.suppress(BrokenPipeError):
+            quiet.send(None)
         quiet.close()
 
     def raise_if_any_dead() -> None:
