@@ -110,6 +110,11 @@ def init_process_group(store: dist.Store, rank: int, size: int, device: torch.de
     """NCCL between GPUs (rank r on cuda:r), gloo on the CPU."""
     ensure_no_process_group()
     if device.type == "cuda":
+        # NCCL (2.22+) otherwise connects the ranks for each algorithm and protocol at its first use,
+        # mid-run, in a blocking exchange with the peer: if the peer has died, that exchange never
+        # ends, nor does an abort end it. Connecting everything at start-up leaves collectives that
+        # only wait on the GPU, which an abort does end.
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
         if rank == 0:
             # On an NCCL error or timeout PyTorch's default is to kill the process; rank 0 is the user's
             # process, so only abort the communicator (the failing call then raises). Read at group

@@ -284,8 +284,9 @@ def main() -> int:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-kill", action="store_true", help="skip the killed-worker check (run last)")
     parser.add_argument(
-        "--kill-repeats", type=int, default=1, help="killed-worker runs, each killing a little later"
+        "--kill-repeats", type=int, default=1, help="killed-worker runs, each killing 0.3 s later"
     )
+    parser.add_argument("--kill-after", type=float, default=0.5, help="seconds into the first run's generate")
     # 0.1: twice the single-GPU check's 0.05 (bf16 against a float32 reference), since here both runs
     # are bf16, each rounded its own way (the all-reduce changes the summation order).
     parser.add_argument("--near-tie", type=float, default=0.1, help="largest top-2 logprob margin of a tie")
@@ -435,7 +436,7 @@ def main() -> int:
                 report.data["killed_worker"].append({"started": True})
                 report.save()  # a hang still leaves a trace of how far the run got
                 kill_kwargs = dict(engine_kwargs, max_model_len=2048, max_num_seqs=64)
-                result = killed_worker_check(kv1, kill_kwargs, kill_after_s=0.5 + 0.3 * attempt)
+                result = killed_worker_check(kv1, kill_kwargs, kill_after_s=args.kill_after + 0.3 * attempt)
                 report.data["killed_worker"][-1] = result
                 ok &= result["ok"]
         except Exception:

@@ -296,9 +296,11 @@ class ModelRunner:
         """Runs one batch on rank 0; returns one sampled token per row with ``sample`` set, in row order.
         The tensor-parallel workers are handed the step's inputs first (see :meth:`execute_step`)."""
         step = prepare_step(batch, self.block_size)
-        if self.workers is not None:
+        if self.workers is None:
+            return self._run(step, batch.rows)
+        with self.workers.running_step():
             self.workers.send(step)
-        return self._run(step, batch.rows)
+            return self._run(step, batch.rows)
 
     @torch.inference_mode()
     def execute_step(self, step: StepInputs) -> None:

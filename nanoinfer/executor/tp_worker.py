@@ -18,11 +18,13 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
 
 import torch
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.distributed import (
+    ABORT_TIMEOUT_S,
     COLLECTIVE_TIMEOUT,
     create_master_store,
     destroy_process_group,
@@ -65,8 +67,9 @@ class TensorParallelWorkers:
         self.errors = ctx.SimpleQueue()
         self.processes: list = []
         self.failure: str | None = None
-        # Shared with the finalizer. watchdog_quiet: the pipe end that tells the NCCL watchdog to stand down.
-        self._state = {"graceful": True, "owns_group": False, "watchdog_quiet": None}
+        # Shared with the finalizer and the NCCL watchdog. watchdog_quiet: the pipe end that tells the
+        # watchdog to stand down; in_step: rank 0's thread is inside a step.
+        self._state = {"graceful": True, "owns_group": False, "watchdog_quiet": None, "in_step": False}
         # The finalizer holds no reference to self: it runs from stop(), when the engine is
         # garbage-collected, or at interpreter exit (registered after multiprocessing's own exit hook, so
         # it runs first and the workers get a clean stop rather than a SIGTERM).
@@ -98,17 +101,42 @@ class TensorParallelWorkers:
         would wait until the process group's timeout. A thread watches the workers and, when one dies,
         aborts the communicator, which ends the kernels waiting on it; rank 0 meanwhile waits for its
         GPU work without blocking in CUDA (:meth:`wait_for_device`) and raises the worker's error.
-        Stopping the workers silences the watchdog first."""
+
+        Should rank 0's thread still be inside its step ABORT_TIMEOUT_S later, it is blocked inside an
+        NCCL call that the abort did not end, and nothing can interrupt it: the watchdog then logs the
+        cause and exits the process (status 1), rather than leave it hanging. Stopping the workers
+        silences the watchdog first."""
         quiet_reader, self._state["watchdog_quiet"] = mp.Pipe(duplex=False)
         sentinels = [p.sentinel for p in self.processes]
+        state = self._state  # not self: the thread must not keep the engine alive
 
         def watch() -> None:
             ready = mp.connection.wait([*sentinels, quiet_reader])
-            if quiet_reader not in ready:
-                logger.error("a tensor-parallel worker exited; aborting the NCCL communicator")
-                start_abort()
+            if quiet_reader in ready:
+                return
+            logger.error("a tensor-parallel worker exited; aborting the NCCL communicator")
+            start_abort()
+            deadline = time.monotonic() + ABORT_TIMEOUT_S
+            while state["in_step"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if state["in_step"]:
+                logger.critical(
+                    "a tensor-parallel worker died during a step and rank 0 is still blocked in NCCL "
+                    "%s s later (aborting the communicator did not end the wait); exiting the process",
+                    ABORT_TIMEOUT_S,
+                )
+                os._exit(1)
 
         threading.Thread(target=watch, name="nanoinfer-tp-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def running_step(self) -> Iterator[None]:
+        """Marks rank 0's thread as inside a step (for the NCCL watchdog)."""
+        self._state["in_step"] = True
+        try:
+            yield
+        finally:
+            self._state["in_step"] = False
 
     def wait_for_device(self, event) -> None:
         """Waits until ``event`` (a CUDA event recorded after the step's collectives) has completed,
