@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 # How long a collective (and the start-up rendezvous) may wait for the other ranks. A rank that exits
-# is noticed much sooner (gloo fails as soon as its connection closes; under NCCL rank 0's watchdog
-# thread aborts the communicator; rank 0 also checks its workers before every step): this bounds what is
-# left, a rank that hangs without exiting.
+# is noticed much sooner (gloo fails as soon as its connection closes; under NCCL rank 0 checks its
+# workers while it waits for its GPU work, and a watchdog thread acts when that wait is stuck; rank 0
+# also checks its workers before every step): this bounds what is left, a rank that hangs without
+# exiting.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 # How long closing an engine waits for the NCCL communicator's abort (see start_abort).
 ABORT_TIMEOUT_S = 10.0
@@ -99,6 +100,11 @@ def connect_store(port: int, world_size: int) -> dist.TCPStore:
 
 
 def ensure_no_process_group() -> None:
+    if _abort_thread is not None and _abort_thread.is_alive():
+        raise RuntimeError(
+            "the NCCL communicator of a tensor-parallel engine whose worker died could not be aborted "
+            "(NCCL waits for the dead rank); a new tensor-parallel engine needs a new process"
+        )
     if dist.is_initialized():
         raise RuntimeError(
             "a torch.distributed process group already exists in this process; a tensor-parallel "
@@ -110,11 +116,6 @@ def init_process_group(store: dist.Store, rank: int, size: int, device: torch.de
     """NCCL between GPUs (rank r on cuda:r), gloo on the CPU."""
     ensure_no_process_group()
     if device.type == "cuda":
-        # NCCL (2.22+) otherwise connects the ranks for each algorithm and protocol at its first use,
-        # mid-run, in a blocking exchange with the peer: if the peer has died, that exchange never
-        # ends, nor does an abort end it. Connecting everything at start-up leaves collectives that
-        # only wait on the GPU, which an abort does end.
-        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
         if rank == 0:
             # On an NCCL error or timeout PyTorch's default is to kill the process; rank 0 is the user's
             # process, so only abort the communicator (the failing call then raises). Read at group
@@ -159,9 +160,9 @@ def destroy_process_group() -> bool:
 
 def start_abort() -> threading.Thread:
     """Aborts the NCCL communicators in a thread of their own (once; later calls return the same thread)
-    and returns it. An abort ends the kernels waiting on a dead rank, but NCCL may itself wait for that
-    rank while freeing its resources, so no caller waits on it without a bound. torch's abort is
-    private API; no public one exists."""
+    and returns it. With a rank dead, NCCL's abort did not return in any run on 2 x H200 (it waits
+    for every rank of the host while freeing), so no caller waits on it without a bound. torch's
+    abort is private API; no public one exists."""
     global _abort_thread
     if _abort_thread is None:
         _abort_thread = threading.Thread(
@@ -210,10 +211,10 @@ def all_reduce_min(value: int, device: torch.device) -> int:
 def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     """Concatenates every rank's (equally shaped) shard along ``dim`` on rank 0; other ranks get None.
 
-    An all-gather, not ``dist.gather``: NCCL builds gather from point-to-point sends, and a rank blocked
-    in those when its peer dies stays blocked through an abort of the communicator (seen on 2 x H200;
-    pytorch#113281), while collectives end. The root receives the same bytes either way; the other
-    ranks' copies cost memory, not time.
+    An all-gather rather than ``dist.gather``: NCCL builds gather from point-to-point sends, which stay
+    blocked when their peer dies, through an abort too (pytorch#113281; rank 0 was seen blocked in one
+    on 2 x H200); an all-gather is a collective like the all-reduces around it. The root receives the
+    same bytes either way (no throughput difference measured at TP=2).
     """
     x = x.contiguous()
     try:

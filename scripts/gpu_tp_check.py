@@ -11,7 +11,8 @@
    checkpoints (written in bf16 straight from GPU tensors), with a reduced version of the benchmark
    workload: 64 sequences, prompts of 100-1024 random tokens, 100-512 output tokens, seed 0,
    temperature 0.6, EOS ignored.
-3. A worker SIGKILLed in the middle of a TP=2 generation: rank 0 must raise a RuntimeError in seconds.
+3. A worker SIGKILLed in the middle of a TP=2 generation: rank 0 must raise a RuntimeError in seconds
+   (or, blocked inside NCCL, be ended by the watchdog: see killed_worker_check).
 
 Writes $OUT/gpu_tp.json (after each stage, so a run cut short keeps what it measured); exits non-zero
 when a correctness check fails.
@@ -232,9 +233,11 @@ def time_throughput(shape_name: str, model: str, tp: int, engine_kwargs: dict, p
 def killed_worker_check(
     model: str, engine_kwargs: dict, kill_after_s: float = 0.5, deadline_s: float = 20.0
 ) -> dict:
-    """SIGKILLs the worker while TP=2 generates: rank 0 must raise a RuntimeError naming it, in seconds.
-    On NCCL this exercises the watchdog that aborts the communicator (NCCL itself never notices a dead
-    peer). Run last: if it hangs, faulthandler ends the script after ``2 * deadline_s``."""
+    """SIGKILLs the worker while TP=2 generates: rank 0 must raise a RuntimeError naming it, in seconds,
+    and close within ``deadline_s``. Under NCCL rank 0 can instead stay blocked inside NCCL (a kill
+    early in the generation); the watchdog then exits the process with status 1 after logging why,
+    so run each attempt in a process of its own (``--kill-after``). Should anything hang, faulthandler
+    ends the script after ``2 * deadline_s``."""
     llm = LLM(model, tensor_parallel_size=2, **engine_kwargs)
     worker = llm.llm_engine.model_runner.workers.processes[0]
     # Long enough (about 1800 steps) that the kill lands in the middle of the generation, most likely

@@ -50,10 +50,16 @@ for _ in range(180):
     wait "$server"
     ;;
 tp)
-    # One process for every stage (correctness, throughput, the killed worker last): the engines after
-    # the first start from warm compile caches. Results are saved after each stage, so a run cut short
-    # keeps what it measured. TP_SHAPES picks the throughput shapes.
-    timeout 560 python3 scripts/gpu_tp_check.py --shapes "${TP_SHAPES:-qwen3-0.6b,qwen3-8b}"
+    # One process for correctness and throughput: the engines after the first start from warm compile
+    # caches. Results are saved after each stage, so a run cut short keeps what it measured. TP_SHAPES
+    # picks the throughput shapes. Then a worker killed early and later in a generation, each in a
+    # process of its own: after an early kill the watchdog may end the process (status 1, logged).
+    timeout 420 python3 scripts/gpu_tp_check.py --skip-kill --shapes "${TP_SHAPES:-qwen3-0.6b,qwen3-8b}"
+    for after in 0.5 1.1; do
+        OUT=$OUT/kill$after timeout 90 python3 scripts/gpu_tp_check.py --skip-correctness --skip-throughput \
+            --kill-after $after
+        echo "killed worker, kill after $after s: exit status $?"
+    done
     ;;
 sampler-ab)
     write_checkpoint

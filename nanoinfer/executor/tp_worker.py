@@ -98,14 +98,15 @@ class TensorParallelWorkers:
 
     def _start_nccl_watchdog(self) -> None:
         """NCCL, unlike gloo, does not notice a peer's death: a collective waiting for a dead worker
-        would wait until the process group's timeout. A thread watches the workers and, when one dies,
-        aborts the communicator, which ends the kernels waiting on it; rank 0 meanwhile waits for its
-        GPU work without blocking in CUDA (:meth:`wait_for_device`) and raises the worker's error.
+        waits until the process group's timeout. Rank 0 therefore waits for its GPU work without
+        blocking in CUDA (:meth:`wait_for_device`) and raises the worker's error; this thread watches
+        the workers and, when one dies, starts an abort of the communicator (which NCCL may never
+        finish while a rank is dead).
 
         Should rank 0's thread still be inside its step ABORT_TIMEOUT_S later, it is blocked inside an
-        NCCL call that the abort did not end, and nothing can interrupt it: the watchdog then logs the
-        cause and exits the process (status 1), rather than leave it hanging. Stopping the workers
-        silences the watchdog first."""
+        NCCL call that nothing can interrupt (seen on 2 x H200 when a worker died early in a
+        generation): the watchdog then logs the cause and exits the process with status 1 rather than
+        leave it hanging. Stopping the workers silences the watchdog first."""
         quiet_reader, self._state["watchdog_quiet"] = mp.Pipe(duplex=False)
         sentinels = [p.sentinel for p in self.processes]
         state = self._state  # not self: the thread must not keep the engine alive
@@ -122,7 +123,7 @@ class TensorParallelWorkers:
             if state["in_step"]:
                 logger.critical(
                     "a tensor-parallel worker died during a step and rank 0 is still blocked in NCCL "
-                    "%s s later (aborting the communicator did not end the wait); exiting the process",
+                    "%s s later; nothing can end that wait: exiting the process",
                     ABORT_TIMEOUT_S,
                 )
                 os._exit(1)
