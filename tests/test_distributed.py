@@ -7,6 +7,8 @@ import logging
 import threading
 import time
 
+import pytest
+
 import nanoinfer.distributed as distributed
 
 
@@ -22,6 +24,9 @@ def test_destroy_waits_for_a_stuck_abort_only_so_long(monkeypatch, caplog):
         assert distributed.destroy_process_group() is False
     assert time.monotonic() - start < 2
     assert "did not abort within 0.2 s" in caplog.text
+    # No new tensor-parallel engine in this process while that abort hangs.
+    with pytest.raises(RuntimeError, match="needs a new process"):
+        distributed.ensure_no_process_group()
     # Once the abort has finished, closing completes and a later engine starts from a clean state.
     release.set()
     assert distributed.destroy_process_group() is True

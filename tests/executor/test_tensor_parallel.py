@@ -276,6 +276,31 @@ def test_killed_idle_worker_raises_instead_of_hanging(tiny_qwen3):
     assert not _our_segments()
 
 
+def test_nccl_watchdog_ends_the_process_when_rank0_stays_stuck(tiny_qwen3, monkeypatch):
+    """The watchdog's last resort, run on gloo with the abort and the exit stubbed: a worker dies while
+    rank 0 is inside a step and stays there (as when blocked inside NCCL)."""
+    import nanoinfer.executor.tp_worker as tp_worker
+
+    aborts, exits = [], []
+    monkeypatch.setattr(tp_worker, "start_abort", lambda: aborts.append(time.monotonic()))
+    monkeypatch.setattr(tp_worker, "ABORT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(tp_worker.os, "_exit", lambda status: exits.append((status, time.monotonic())))
+    with _hang_guard(90):
+        llm = LLM(tiny_qwen3, tensor_parallel_size=2)
+        workers = llm.llm_engine.model_runner.workers
+        (worker,) = _workers(llm)
+        workers._start_nccl_watchdog()
+        with workers.running_step():
+            os.kill(worker.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while not exits and time.monotonic() < deadline:
+                time.sleep(0.05)
+        llm.close()
+    assert len(aborts) == 1
+    assert [status for status, _ in exits] == [1]
+    assert 0.3 <= exits[0][1] - aborts[0] < 5
+
+
 def test_worker_killed_mid_generation_raises_instead_of_hanging(tiny_qwen3):
     prompts = _prompts([30] * 8, seed=9)
     long_run = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
