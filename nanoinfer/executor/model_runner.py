@@ -183,8 +183,8 @@ class ModelRunner:
         """Drops the graphs, stops the tensor-parallel workers (rank 0), leaves the process group, and
         drops the KV pool and the model so their device memory can be reused. Idempotent."""
         # Normally the graphs go first: they hold the communicator's captured collectives, and none may
-        # be running as it is freed. After a worker's death the work waiting for it never finishes by
-        # itself: the communicator is aborted first (stopping the workers), which ends that work.
+        # be running as it is freed. After a worker's death the work waiting for it may never finish, so
+        # nothing waits for it: the workers are stopped first (with a bounded abort under NCCL).
         if self.workers is not None and not self.workers.healthy:
             self.workers.stop()
             self.workers = None

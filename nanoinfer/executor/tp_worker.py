@@ -98,7 +98,7 @@ class TensorParallelWorkers:
 
     def _start_nccl_watchdog(self) -> None:
         """NCCL, unlike gloo, does not notice a peer's death: a collective waiting for a dead worker
-        waits until the process group's timeout. Rank 0 therefore waits for its GPU work without
+        waits at least until the process group's timeout. Rank 0 therefore waits for its GPU work without
         blocking in CUDA (:meth:`wait_for_device`) and raises the worker's error; this thread watches
         the workers and, when one dies, starts an abort of the communicator (which NCCL may never
         finish while a rank is dead).
