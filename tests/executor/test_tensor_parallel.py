@@ -185,8 +185,11 @@ def test_engines_side_by_side_and_garbage_collection(tiny_qwen3):
     assert not _our_segments()
 
 
-_EXIT_WITHOUT_CLOSE = """
+# A process that starts a TP=2 engine, generates, prints its own pid and the worker's, then ends as
+# ``{ending}`` says.
+_TP_SCRIPT = """
 import os
+import signal
 import sys
 
 from nanoinfer import LLM, SamplingParams
@@ -196,19 +199,27 @@ if __name__ == "__main__":
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     workers = llm.llm_engine.model_runner.workers.processes
     print(os.getpid(), " ".join(str(p.pid) for p in workers), flush=True)
-    # Exits with the engine open: the exit hook must stop the worker.
+{ending}
 """
 
 
-def test_interpreter_exit_stops_workers(tiny_qwen3, tmp_path):
-    script = tmp_path / "exit_without_close.py"
-    script.write_text(_EXIT_WITHOUT_CLOSE)
+def _run_tp_script(model: str, tmp_path, ending: str) -> tuple[subprocess.CompletedProcess, int, list[int]]:
+    """Runs :data:`_TP_SCRIPT`; returns the finished process, its pid and the worker pids it printed."""
+    script = tmp_path / "tp_script.py"
+    script.write_text(_TP_SCRIPT.format(ending=ending))
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(script), tiny_qwen3], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, str(script), model], capture_output=True, text=True, timeout=120, env=env
+    )
+    parent, *pids = [int(p) for p in proc.stdout.split()]
+    return proc, parent, pids
+
+
+def test_interpreter_exit_stops_workers(tiny_qwen3, tmp_path):
+    proc, parent, pids = _run_tp_script(
+        tiny_qwen3, tmp_path, "    # Exits with the engine open: the exit hook must stop the worker."
     )
     assert proc.returncode == 0, proc.stderr
-    parent, *pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 1
     assert _wait_gone(pids) == []
     assert not _our_segments(parent)
@@ -225,31 +236,13 @@ class _Event:
         return self.done
 
 
-_KILL_RANK0 = """
-import os
-import signal
-import sys
-
-from nanoinfer import LLM, SamplingParams
-
-if __name__ == "__main__":
-    llm = LLM(sys.argv[1], tensor_parallel_size=2)
-    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    workers = llm.llm_engine.model_runner.workers.processes
-    print(" ".join(str(p.pid) for p in workers), flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)  # no exit hook runs: the worker must notice by itself
-"""
-
-
 def test_worker_exits_when_rank0_is_killed(tiny_qwen3, tmp_path):
-    script = tmp_path / "kill_rank0.py"
-    script.write_text(_KILL_RANK0)
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, str(script), tiny_qwen3], capture_output=True, text=True, timeout=120, env=env
+    proc, _, pids = _run_tp_script(
+        tiny_qwen3,
+        tmp_path,
+        "    os.kill(os.getpid(), signal.SIGKILL)  # no exit hook runs: the worker must notice by itself",
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 1
     assert _wait_gone(pids) == []
 
