@@ -24,7 +24,7 @@ class CompletionOutput:
     index: int  # which of the request's n completions
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     # What stopped it with finish_reason "stop": the stop string, or the stop_token_ids entry; None for
     # EOS (and for the other finish reasons).
     stop_reason: int | str | None = None
@@ -47,3 +47,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With prompt_logprobs: None for the first prompt token, then one entry per prompt token.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Why the request failed (its completions then have finish_reason "error"); None if it did not.
+    # A failure is the request's own: the engine goes on with the others.
+    error: str | None = None

@@ -12,6 +12,15 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # Largest number of top logprobs a request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
 PENALTY_RANGE = 2.0
+# Bounds that keep the sampler's float32 arithmetic finite and meaningful. A nonzero probability-like
+# value (top_p, min_p) must survive rounding to float32 (the smallest normal float32); a temperature or
+# repetition penalty outside these bounds turns logits of ordinary size into infinities or zeros.
+MIN_FLOAT32_PROBABILITY = 1.2e-38
+MAX_TEMPERATURE = 1e6
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+MAX_TOP_K = (1 << 31) - 1
+# Completions per request offline (the server's own default limit is lower, see entrypoints/server.py).
+MAX_N = 1024
 _MASK64 = (1 << 64) - 1
 
 
@@ -41,13 +50,26 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_number(name: str, value: object, low: float, high: float, low_open: bool = False) -> float:
-    opening = "(" if low_open else "["
-    allowed = f"in {opening}{low:g}, {high:g}]"
+def _check_number(name: str, value: object, low: float, high: float) -> float:
+    allowed = f"in [{low:g}, {high:g}]"
     if not _is_number(value) or not math.isfinite(value):
         raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
-    if value < low or value > high or (low_open and value == low):
+    if value < low or value > high:
         raise ValueError(f"{name} must be {allowed}, got {value}")
+    return float(value)
+
+
+def _check_probability(name: str, value: object, allow_zero: bool) -> float:
+    """A probability-like field: in [0, 1] (or (0, 1]), nonzero values at least MIN_FLOAT32_PROBABILITY."""
+    allowed = f"{'0 or ' if allow_zero else ''}in [{MIN_FLOAT32_PROBABILITY:g}, 1]"
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    if value == 0 and allow_zero:
+        return 0.0
+    if not MIN_FLOAT32_PROBABILITY <= value <= 1:
+        raise ValueError(
+            f"{name} must be {allowed} (smaller nonzero values round to 0 in float32), got {value}"
+        )
     return float(value)
 
 
@@ -91,17 +113,18 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        self.temperature = 0.0 if self.temperature < GREEDY_TEMPERATURE_EPS else float(self.temperature)
-        self.top_p = _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        self.temperature = _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            self.temperature = 0.0
+        self.top_p = _check_probability("top_p", self.top_p, allow_zero=False)
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
             raise ValueError(
-                f"top_k must be -1, 0 (both disable it) or a positive integer, got {self.top_k!r}"
+                f"top_k must be -1, 0 (both disable it) or a positive integer up to {MAX_TOP_K}, "
+                f"got {self.top_k!r}"
             )
-        self.min_p = _check_number("min_p", self.min_p, 0.0, 1.0)
+        self.min_p = _check_probability("min_p", self.min_p, allow_zero=True)
         if self.temperature == 0.0:
             # The filters never change the argmax; resetting them (as vLLM does) keeps greedy rows on
             # the short path.
@@ -112,10 +135,9 @@ class SamplingParams:
         self.frequency_penalty = _check_number(
             "frequency_penalty", self.frequency_penalty, -PENALTY_RANGE, PENALTY_RANGE
         )
-        rep = self.repetition_penalty
-        if not _is_number(rep) or not math.isfinite(rep) or rep <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
-        self.repetition_penalty = float(rep)
+        self.repetition_penalty = _check_number(
+            "repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE
+        )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
         self._check_stops()

@@ -35,6 +35,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped (it crashed or was shut down); no request can make progress."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its own fault); the engine goes on serving the others."""
+
+
 @dataclass
 class StreamingCompletionOutput(CompletionOutput):
     """A cumulative CompletionOutput plus what is new since the previous output of the same request."""
@@ -78,6 +82,7 @@ class _Update:
     finished: bool
     num_cached_tokens: int
     prompt_logprobs: list | None
+    error: str | None = None
 
 
 @dataclass
@@ -192,6 +197,9 @@ class RequestStream:
                 for completion in self._completions.values():
                     completion.finish_reason = completion.finish_reason or "abort"
                 break
+            if item.error is not None:
+                self.finished = True
+                raise RequestFailedError(f"request {self.request_id} failed: {item.error}")
             self._prompt, self._prompt_token_ids = item.prompt, item.prompt_token_ids
             self._prompt_logprobs = item.prompt_logprobs
             self._num_cached_tokens = item.num_cached_tokens
@@ -251,6 +259,8 @@ class AsyncLLM:
         # Guards _dead so that no command is queued after the engine thread drained the queue for good.
         self._lock = threading.Lock()
         self._dead: EngineDeadError | None = None
+        self._crashed = False
+        self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._engine: LLMEngine | None = None
         self._last_stats: dict[str, int] = {}
@@ -282,6 +292,20 @@ class AsyncLLM:
     def error(self) -> EngineDeadError | None:
         """Why the engine loop stopped, or None while it runs."""
         return self._dead
+
+    @property
+    def crashed(self) -> bool:
+        """The engine loop stopped by itself (an error no single request caused), not by shutdown()."""
+        return self._crashed
+
+    def on_engine_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """``callback(error)`` runs once, on the engine thread, when the loop crashes (not on shutdown)."""
+        with self._lock:
+            if self._dead is None:
+                self._death_callbacks.append(callback)
+                return
+        if self._crashed:
+            callback(self._dead)
 
     # -- public API ------------------------------------------------------------------------------------
 
@@ -401,7 +425,14 @@ class AsyncLLM:
             logger.exception("the engine loop crashed")
             error = EngineDeadError(f"the engine loop crashed: {e!r}")
             error.__cause__ = e
+            self._crashed = True
         self._stop(engine, error)
+        if self._crashed:
+            for callback in self._death_callbacks:
+                try:
+                    callback(error)
+                except Exception:
+                    logger.exception("an engine-death callback failed")
 
     def _apply_commands(self, block: bool) -> bool:
         """Runs every queued command (waiting for one if ``block``); False once asked to stop."""
@@ -497,6 +528,7 @@ class AsyncLLM:
                 output.finished,
                 output.num_cached_tokens,
                 output.prompt_logprobs,
+                output.error,
             )
             batches.setdefault(tracked.stream._loop, []).append((tracked.stream, update))
         for loop, items in batches.items():

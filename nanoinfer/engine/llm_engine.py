@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,8 @@ from nanoinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, Reque
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, derive_seed
 
 PromptType = str | list[int] | dict
+
+logger = logging.getLogger(__name__)
 
 
 def _completion_seed(seed: int | None, index: int) -> int | None:
@@ -81,6 +84,7 @@ class _Request:
     prompt_logprobs: list[PositionLogprobs | None] | None
     num_unfinished: int
     arrival_time: float = field(default_factory=time.monotonic)
+    error: str | None = None
 
     def output(self) -> RequestOutput:
         return RequestOutput(
@@ -92,6 +96,7 @@ class _Request:
             num_cached_tokens=max(self.completions[0].seq.num_cached_prompt_tokens, 0),
             # Complete (and never changed again) by the time a request produces its first output.
             prompt_logprobs=self.prompt_logprobs,
+            error=self.error,
         )
 
 
@@ -228,6 +233,26 @@ class LLMEngine:
                 self.scheduler.abort(seq)
         return True
 
+    def _fail_request(self, request_id: str, error: Exception | str) -> _Request:
+        """Ends a request whose own processing raised: its sequences stop and free their blocks, its output
+        carries the error, and every other request goes on."""
+        request = self.requests[request_id]
+        if isinstance(error, Exception):
+            logger.error("request %s failed", request_id, exc_info=error)
+            error = f"{type(error).__name__}: {error}"
+        else:
+            logger.error("request %s failed: %s", request_id, error)
+        pending = set(map(id, request.pending))
+        for completion in request.completions:
+            seq = completion.seq
+            if seq.finish_reason is None and id(seq) not in pending:
+                self.scheduler.abort(seq)
+            seq.finish_reason = "error"
+        request.pending.clear()
+        request.num_unfinished = 0
+        request.error = error
+        return request
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -243,22 +268,35 @@ class LLMEngine:
         result = self.model_runner.execute(ModelInput(scheduled.is_prefill, rows))
         if scheduled.is_prefill:
             self.num_prompt_tokens_computed += scheduled.num_tokens
-        for row_index, chunk in result.prompt_logprobs.items():
-            self._add_prompt_logprobs(scheduled.seqs[row_index], rows[row_index].start_pos, chunk)
-        ready = self.scheduler.postprocess(scheduled.seqs)
         advanced: dict[str, _Request] = {}
+        for row_index, chunk in result.prompt_logprobs.items():
+            seq = scheduled.seqs[row_index]
+            try:
+                self._add_prompt_logprobs(seq, rows[row_index].start_pos, chunk)
+            except Exception as e:
+                advanced[seq.request_id] = self._fail_request(seq.request_id, e)
+        ready = self.scheduler.postprocess(scheduled.seqs)
         logprob_position = {row: j for j, row in enumerate(result.logprob_rows)}
         for i, (seq, token_id) in enumerate(zip(ready, result.token_ids, strict=True)):
-            request = self.requests[seq.request_id]
-            if seq.num_completion_tokens == 0 and seq.index == 0:
-                # The prompt is computed and its full blocks are now in the prefix cache.
-                seq.skip_prefix_cache = False
-                for sibling in request.pending:
-                    self.scheduler.add(sibling)
-                request.pending.clear()
-            position = logprob_position.get(i) if logprob_position else None
-            self._append_token(request, request.completions[seq.index], token_id, result.logprobs, position)
+            request = self.requests.get(seq.request_id)
+            if request is None or seq.finish_reason is not None:  # its request failed in this step
+                continue
             advanced[seq.request_id] = request
+            if i in result.failed_rows:
+                self._fail_request(seq.request_id, result.failed_rows[i])
+                continue
+            try:
+                if seq.num_completion_tokens == 0 and seq.index == 0:
+                    # The prompt is computed and its full blocks are now in the prefix cache.
+                    seq.skip_prefix_cache = False
+                    for sibling in request.pending:
+                        self.scheduler.add(sibling)
+                    request.pending.clear()
+                position = logprob_position.get(i) if logprob_position else None
+                completion = request.completions[seq.index]
+                self._append_token(request, completion, token_id, result.logprobs, position)
+            except Exception as e:
+                self._fail_request(seq.request_id, e)
         outputs = []
         for request in advanced.values():
             finished = request.num_unfinished == 0

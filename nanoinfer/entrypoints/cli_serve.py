@@ -7,6 +7,7 @@ import logging
 import os
 
 from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args
+from nanoinfer.entrypoints.http_limits import add_limit_args, limits_from_args
 
 API_KEY_ENV = "NANOINFER_API_KEY"
 
@@ -33,36 +34,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="model name(s) clients use in requests; the first is reported in metrics (default: MODEL)",
     )
     parser.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=None,
-        help="larger request bodies get 413 (default: 1 MiB)",
-    )
-    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="server log level (default: %(default)s)",
     )
+    add_limit_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from nanoinfer.entrypoints.server import DEFAULT_MAX_REQUEST_BODY_BYTES, run_server
+    from nanoinfer.entrypoints.server import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    max_body = args.max_request_body_bytes
-    if max_body is None:
-        max_body = DEFAULT_MAX_REQUEST_BODY_BYTES
-    run_server(
+    return run_server(
         args.model,
         host=args.host,
         port=args.port,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         served_model_names=args.served_model_name,
-        max_request_body_bytes=max_body,
+        limits=limits_from_args(args),
         log_level=args.log_level,
         **engine_kwargs_from_args(args),
     )
-    return 0

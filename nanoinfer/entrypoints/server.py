@@ -1,29 +1,37 @@
 """An OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of AsyncLLM.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming over server-sent events or
-not), GET /v1/models, GET /health, GET /metrics (Prometheus). Prompts are tokenized here, on the event
-loop, so that the engine thread only runs the model.
+not), GET /v1/models, GET /health, GET /metrics (Prometheus). Prompts are rendered and tokenized here, on
+a worker thread of their own (never on the event loop), so that the engine thread only runs the model and
+no request stalls the others. What one request may cost is bounded by :class:`ServerLimits`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
+import inspect
 import logging
+import signal
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from nanoinfer.engine.async_engine import AsyncLLM, EngineDeadError, RequestStream
+from nanoinfer.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from nanoinfer.entrypoints import openai_protocol as protocol
+from nanoinfer.entrypoints.http_limits import ServerLimits, header_timeout_protocol
 from nanoinfer.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from nanoinfer.metrics import ServingMetrics
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
@@ -31,7 +39,6 @@ from nanoinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
 # OpenAI's default for /v1/completions; chat requests default to the rest of the context instead.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # After SIGINT/SIGTERM, responses still streaming this long are cancelled (which aborts their requests).
@@ -46,30 +53,33 @@ class OpenAIServer:
         async_llm: AsyncLLM,
         served_model_names: list[str],
         api_key: str | None = None,
-        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        limits: ServerLimits | None = None,
         tokenizer: Any = None,
     ):
         if not served_model_names or not all(isinstance(n, str) and n for n in served_model_names):
             raise ValueError(f"served_model_names must be non-empty strings, got {served_model_names!r}")
-        if not isinstance(max_request_body_bytes, int) or max_request_body_bytes < 1:
-            raise ValueError(
-                f"max_request_body_bytes must be an integer >= 1, got {max_request_body_bytes!r}"
-            )
-        if api_key is not None and not api_key:
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
             raise ValueError("api_key must be a non-empty string or None")
         self.async_llm = async_llm
         self.served_model_names = list(served_model_names)
-        self.api_key = api_key
-        self.max_request_body_bytes = max_request_body_bytes
+        # Compared as UTF-8 bytes with the header's raw bytes, so that a non-ASCII key works.
+        self._api_key = api_key.encode() if api_key is not None else None
+        self.limits = limits if limits is not None else ServerLimits()
         config = async_llm.config
         self.model_path = config.model
         self.max_model_len = config.max_model_len
+        self.max_prompt_chars = self.limits.prompt_chars(config.max_model_len)
         if tokenizer is None:
             from nanoinfer.models.checkpoint import load_tokenizer
 
             # A tokenizer of our own: the engine thread uses the engine's concurrently.
             tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.tokenizer = tokenizer
+        # Arguments of apply_chat_template itself: chat_template_kwargs are template variables only.
+        self._reserved_template_kwargs = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+        # One thread renders and tokenizes prompts, one request at a time: a fast tokenizer object is not
+        # safe for concurrent calls, and its encode releases the GIL, so the event loop keeps running.
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "nanoinfer-tokenizer")
         self.metrics = ServingMetrics(self.served_model_names[0])
         async_llm.stats_listener = self.metrics
         self.app = self._build_app()
@@ -78,6 +88,8 @@ class OpenAIServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="nanoinfer", docs_url=None, redoc_url=None, openapi_url=None)
+        if self.limits.allowed_hosts is not None:
+            app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(self.limits.allowed_hosts))
 
         @app.exception_handler(APIError)
         async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -87,6 +99,12 @@ class OpenAIServer:
         async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
             body = protocol.error_body(str(e.detail), "invalid_request_error")
             return JSONResponse(body, status_code=e.status_code, headers=e.headers)
+
+        @app.exception_handler(ClientDisconnect)
+        async def client_left(request: Request, _: ClientDisconnect) -> Response:
+            # Nobody reads the answer; one line, no traceback.
+            logger.info("client %s disconnected while sending its request", _client_address(request))
+            return Response(status_code=499)
 
         @app.exception_handler(Exception)
         async def internal_error(_: Request, e: Exception) -> JSONResponse:
@@ -125,13 +143,12 @@ class OpenAIServer:
     # -- request checks ---------------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
+        if self._api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
+        # Starlette decodes header bytes as latin-1; encoding back gives the bytes the client sent.
+        header = request.headers.get("authorization", "").encode("latin-1")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._api_key):
             raise APIError(
                 "missing or invalid API key: send it as 'Authorization: Bearer <key>'",
                 status_code=401,
@@ -139,7 +156,25 @@ class OpenAIServer:
             )
 
     async def _read_body(self, request: Request) -> bytes:
-        limit = self.max_request_body_bytes
+        content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json":
+            raise APIError(
+                f"the request body must be JSON, sent with 'Content-Type: application/json' (got "
+                f"{content_type or 'no content type'!r})",
+                status_code=415,
+                code="unsupported_media_type",
+            )
+        try:
+            return await asyncio.wait_for(self._receive_body(request), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(
+                f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                status_code=408,
+                code="request_timeout",
+            ) from None
+
+    async def _receive_body(self, request: Request) -> bytes:
+        limit = self.limits.max_request_body_bytes
         too_large = APIError(
             f"the request body is larger than the limit of {limit} bytes",
             status_code=413,
@@ -169,9 +204,59 @@ class OpenAIServer:
             )
         return requested
 
+    def _check_limits(self, request: CompletionRequest | ChatCompletionRequest) -> None:
+        """Rejects a request that asks for more work than the server's limits allow (before any of it)."""
+        limits = self.limits
+        stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stop) > limits.max_stop_strings:
+            raise APIError(
+                f"stop has {len(stop)} entries; at most {limits.max_stop_strings} are allowed", param="stop"
+            )
+        longest = max(map(len, stop), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise APIError(
+                f"stop strings may be at most {limits.max_stop_string_chars} characters, got one of "
+                f"{longest}",
+                param="stop",
+            )
+        n = request.n or 1
+        if n > limits.max_n:
+            raise APIError(f"n must be at most {limits.max_n}, got {n}", param="n")
+        num_prompts = len(request.prompts()) if isinstance(request, CompletionRequest) else 1
+        if num_prompts * n > limits.max_sequences_per_request:
+            raise APIError(
+                f"this request asks for {num_prompts} prompts x n={n} = {num_prompts * n} completions; at "
+                f"most {limits.max_sequences_per_request} are allowed per request",
+                param="n" if num_prompts == 1 else "prompt",
+            )
+        kwargs = getattr(request, "chat_template_kwargs", None) or {}
+        if "chat_template" in kwargs and not limits.trust_request_chat_template:
+            raise APIError(
+                "chat_template_kwargs.chat_template is not allowed: this server does not run templates sent "
+                "by clients (start it with --trust-request-chat-template to allow them)",
+                param="chat_template_kwargs",
+            )
+        reserved = sorted((set(kwargs) & self._reserved_template_kwargs) - {"chat_template"})
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs may only hold template variables; {reserved} are not allowed",
+                param="chat_template_kwargs",
+            )
+
+    def _check_prompt_chars(self, text: str, field: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise APIError(
+                f"the prompt is {len(text)} characters long; this server accepts at most "
+                f"{self.max_prompt_chars} (the context is {self.max_model_len} tokens)",
+                param=field,
+                code="context_length_exceeded",
+            )
+
     def _prompt_token_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        """Renders (chat) and tokenizes the request's prompts. Runs on the tokenizer thread."""
         if isinstance(request, ChatCompletionRequest):
             messages = [m.template_input() for m in request.messages]
+            self._check_prompt_chars("".join(m["content"] for m in messages), "messages")
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages,
@@ -181,10 +266,18 @@ class OpenAIServer:
                 )
             except Exception as e:  # a template error, or chat_template_kwargs it cannot take
                 raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+            self._check_prompt_chars(text, "messages")
             # The template already contains every special token the model expects.
             return [self.tokenizer.encode(text, add_special_tokens=False)]
+        prompts = request.prompts()
+        for p in prompts:
+            if isinstance(p, str):
+                self._check_prompt_chars(p, "prompt")
         # Text is tokenized exactly as LLMEngine.add_request tokenizes it.
-        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+    async def _on_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     def _sampling_params(
         self, request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int
@@ -228,10 +321,11 @@ class OpenAIServer:
         model = self._model_name(request.model)
         if not self.async_llm.is_healthy:
             raise APIError(f"the engine is not running: {self.async_llm.error}", status_code=503)
-        prompts = self._prompt_token_ids(request)
+        self._check_limits(request)
+        prompts = await self._on_tokenizer_thread(self._prompt_token_ids, request)
         params = [self._sampling_params(request, len(ids)) for ids in prompts]
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        streams = await self._add_requests(response_id, prompts, params, "messages" if chat else "prompt")
+        streams = await self._add_requests(response_id, prompts, params, request)
         reply = _Reply(response_id, model, chat, [len(p) for p in prompts], params[0], self._decode_token)
         if request.stream:
             events = reply.stream_events(streams, request.include_usage_in_stream)
@@ -247,9 +341,14 @@ class OpenAIServer:
         return JSONResponse(reply.full_response(finals))
 
     async def _add_requests(
-        self, response_id: str, prompts: list[list[int]], params: list[SamplingParams], prompt_field: str
+        self,
+        response_id: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        request: CompletionRequest | ChatCompletionRequest,
     ) -> list[RequestStream]:
-        """Adds one engine request per prompt; on any failure aborts those already added."""
+        """Adds one engine request per prompt; on any failure aborts those already added. The engine's
+        errors start with the name of what is wrong: a request field, or else the prompt."""
         streams: list[RequestStream] = []
         try:
             for i, (token_ids, sampling_params) in enumerate(zip(prompts, params, strict=True)):
@@ -261,7 +360,10 @@ class OpenAIServer:
             for stream in streams:
                 stream.abort()
             if isinstance(e, ValueError):
-                raise APIError(str(e), param=prompt_field) from e
+                named = str(e).split(" ", 1)[0]
+                prompt_field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+                param = named if named in type(request).model_fields else prompt_field
+                raise APIError(str(e), param=param) from e
             if isinstance(e, EngineDeadError):
                 raise APIError(str(e), status_code=503) from e
             raise
@@ -366,7 +468,7 @@ class _Reply:
                         yield self._chunk(choices)
             if include_usage:
                 yield self._chunk([], protocol.usage(self.num_prompt_tokens, sum(num_generated.values())))
-        except (EngineDeadError, ValueError) as e:
+        except (EngineDeadError, RequestFailedError, ValueError) as e:
             yield protocol.sse_event(protocol.error_body(str(e), "server_error"))
         yield protocol.SSE_DONE
 
@@ -412,6 +514,8 @@ async def _collect_final_outputs(streams: list[RequestStream]) -> dict[int, Requ
                     finals[index] = output
     except EngineDeadError as e:
         raise APIError(str(e), status_code=503) from e
+    except RequestFailedError as e:
+        raise APIError(str(e), status_code=500) from e
     return finals
 
 
@@ -466,31 +570,54 @@ class _EventStreamResponse(StreamingResponse):
             logger.warning("streaming a response failed: %r", streaming.exception())
 
 
+def _client_address(request: Request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client else "?"
+
+
 def run_server(
     model: str,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
     served_model_names: list[str] | None = None,
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    limits: ServerLimits | None = None,
     log_level: str = "info",
     **engine_kwargs: Any,
-) -> None:
-    """Loads the model and serves it until SIGINT/SIGTERM; then stops the engine thread."""
+) -> int:
+    """Loads the model and serves it until SIGINT/SIGTERM; then stops the engine thread. Returns the exit
+    status: 0 after a requested shutdown, 1 when the engine stopped by itself (a device error, a dead
+    tensor-parallel worker): then no request can be served, and the process must end rather than answer
+    503 forever."""
     import uvicorn
 
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
+    limits = limits if limits is not None else ServerLimits()
     async_llm = AsyncLLM.from_kwargs(model, **engine_kwargs)
     try:
-        server = OpenAIServer(async_llm, served_model_names or [model], api_key, max_request_body_bytes)
+        server = OpenAIServer(async_llm, served_model_names or [model], api_key, limits)
         config = uvicorn.Config(
             server.app,
             host=host,
             port=port,
             log_level=log_level,
+            http=header_timeout_protocol(limits.header_timeout_s),
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
         )
-        uvicorn.Server(config).run()
+        uv_server = uvicorn.Server(config)
+        # Called on the engine thread; uvicorn polls should_exit, so setting it from there is enough.
+        async_llm.on_engine_dead(lambda _: setattr(uv_server, "should_exit", True))
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again with the
+            # handlers found at start-up restored: these make that a plain return, so that a requested
+            # shutdown exits with status 0 (the default handlers would end the process by the signal).
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: None)
+        uv_server.run()
+        if async_llm.crashed:
+            logger.critical("exiting: %s", async_llm.error)
+            return 1
+        return 0
     finally:
         async_llm.shutdown()

@@ -89,3 +89,5 @@ class SamplerOutput:
     logprobs: TokenLogprobs | None = None
     logprob_rows: list[int] = field(default_factory=list)
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # row index -> its chunk
+    # Sampled rows whose sampling raised (their token id is -1), with the error: those requests fail.
+    failed_rows: dict[int, str] = field(default_factory=dict)

@@ -327,7 +327,9 @@ class ModelRunner:
             logits = self._compute_logits(hidden[sample_index])
         if rows is None:
             return None
-        return self.sampler(logits, [r for r in rows if r.sample], self.generator, prompt_logprobs)
+        return self.sampler.sample_isolating_faults(
+            logits, [r for r in rows if r.sample], self.generator, prompt_logprobs
+        )
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.model.compute_logits(hidden)

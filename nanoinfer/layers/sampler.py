@@ -77,6 +77,46 @@ class Sampler(nn.Module):
         output.prompt_logprobs = prompt_logprobs or {}
         return output
 
+    def sample_isolating_faults(
+        self,
+        logits: torch.Tensor | None,
+        rows: list[ScheduledRow],
+        generator: torch.Generator | None = None,
+        prompt_logprobs: dict[int, TokenLogprobs] | None = None,
+    ) -> SamplerOutput:
+        """:meth:`forward`, except that when the batch raises, each row is sampled alone, so that a row
+        whose parameters trip an error fails alone (``failed_rows``) and the others get their tokens.
+        An error that no row can escape (the device itself failing) is raised."""
+        try:
+            return self(logits, rows, generator, prompt_logprobs)
+        except Exception as error:
+            if logits is None:
+                raise
+            batch_error = error
+        token_ids: list[int] = []
+        failed: dict[int, str] = {}
+        logprobs: TokenLogprobs | None = None
+        logprob_rows: list[int] = []
+        for i, row in enumerate(rows):
+            try:
+                alone = self(logits[i : i + 1], [row], generator)
+            except Exception as e:
+                failed[i] = f"{type(e).__name__}: {e}"
+                token_ids.append(-1)
+                continue
+            token_ids.append(alone.token_ids[0])
+            if alone.logprobs is not None:
+                if logprobs is None:
+                    logprobs = alone.logprobs
+                else:
+                    logprobs.extend(alone.logprobs)
+                logprob_rows.append(i)
+        # A failed device fails the simplest work too: then nothing here is the rows' fault.
+        torch.ones(1, device=logits.device).add_(1).item()
+        if not failed:
+            raise batch_error  # the batch failed although every row alone succeeds: not attributable
+        return SamplerOutput(token_ids, logprobs, logprob_rows, prompt_logprobs or {}, failed)
+
     @staticmethod
     def sample_tokens(
         logits: torch.Tensor,
@@ -350,8 +390,9 @@ def _cutoffs(
             )
         probs = (values - normalizer).exp_()
         mass_before = probs.cumsum(dim=-1).sub_(probs)
-        # The most likely token has nothing before it, so every row keeps at least one token.
-        keep_count = ((mass_before < p) & (positions < k)).sum(dim=-1, keepdim=True)
+        # The most likely token has nothing before it, so a row keeps at least one token; the clamp
+        # holds that even where rounding leaves the cut-off at 0 or a row's mass is not finite.
+        keep_count = ((mass_before < p) & (positions < k)).sum(dim=-1, keepdim=True).clamp_min_(1)
         complete = (has_k | (keep_count < width)).squeeze(1) if width < vocab else complete
     return values.gather(1, keep_count - 1), complete
 

@@ -24,6 +24,7 @@ from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.entrypoints import cli_serve
 from nanoinfer.entrypoints import openai_protocol as protocol
 from nanoinfer.entrypoints.engine_args import engine_kwargs_from_args
+from nanoinfer.entrypoints.http_limits import ServerLimits
 from nanoinfer.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from nanoinfer.entrypoints.server import OpenAIServer
 from nanoinfer.metrics import ServingMetrics
@@ -85,7 +86,9 @@ def serve_in_thread(model_path: str, **server_kwargs):
 
 @pytest.fixture(scope="module")
 def running(tiny_qwen3):
-    with serve_in_thread(tiny_qwen3, api_key=API_KEY, max_request_body_bytes=MAX_BODY) as srv:
+    with serve_in_thread(
+        tiny_qwen3, api_key=API_KEY, limits=ServerLimits(max_request_body_bytes=MAX_BODY)
+    ) as srv:
         yield srv
 
 
