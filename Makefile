@@ -34,9 +34,11 @@ format: install
 demo: install
 	$(VENV)/bin/nanoinfer generate "What is the capital of France?"
 
-# The offline benchmark on the default model (CPU-sized); on a GPU see docs/benchmarks.md.
+# The offline benchmark on the default model, sized for a CPU (about 20 s on 2 cores); on a GPU see
+# docs/benchmarks.md. `make bench BENCH_ARGS="..."` runs another workload.
+BENCH_ARGS ?= --num-seqs 16 --min-input-len 32 --max-input-len 256 --min-output-len 16 --max-output-len 64
 bench: install
-	$(PY) benchmarks/throughput.py --num-seqs 16 --max-input-len 256 --max-output-len 64
+	$(PY) benchmarks/throughput.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

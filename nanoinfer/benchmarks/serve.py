@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -59,7 +60,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="model name to request (as served)")
     parser.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
-    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: --model)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="the model's directory or .gguf file, for its tokenizer (default: --model, which is a path "
+        "when the server was started as `nanoinfer serve PATH` without --served-model-name)",
+    )
     parser.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY if set)")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens after the prefix")
@@ -87,7 +94,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
     parser.add_argument(
-        "--plot", default=None, help="sweep --request-rates and plot latency vs rate to this PNG"
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="sweep --request-rates and plot latency vs rate to this file (needs matplotlib)",
     )
     parser.add_argument(
         "--request-rates", default=None, help="comma-separated rates for --plot, e.g. 1,2,4,inf"
@@ -153,6 +163,27 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     if (args.plot is None) != (args.request_rates is None):
         raise ValueError("--plot and --request-rates go together")
+    # Checked before the run, which can take long, rather than when its results are in.
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or nanoinfer[bench])")
+    for flag, path in (("--plot", args.plot), ("--result-file", args.result_file)):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{flag}: the directory of {path!r} does not exist")
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of the checkpoint at ``path`` (a Hugging Face directory or a .gguf file)."""
+    from nanoinfer.models.checkpoint import load_tokenizer as load_checkpoint_tokenizer
+
+    if not os.path.exists(path):
+        raise ValueError(
+            f"no tokenizer at {path!r}: pass --tokenizer with the served model's directory or .gguf file "
+            "(nothing is downloaded from a model hub)"
+        )
+    try:
+        return load_checkpoint_tokenizer(path)
+    except OSError as e:  # transformers' "can't load tokenizer" for a directory without tokenizer files
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
 
 
 # -- dataset -------------------------------------------------------------------------------------------------
@@ -470,12 +501,10 @@ def run(args: argparse.Namespace) -> int:
         _validate(args)
         slos = parse_goodput(args.goodput)
         rates = parse_request_rates(args.request_rates) if args.plot else [args.request_rate]
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     vocab_ids = _vocab_ids(tokenizer)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     runs = []
@@ -530,12 +559,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"request rate {_rate_label(rate)} req/s")
         print(format_table(summary))
         runs.append(summary)
-    if args.plot:
-        plot_sweep(runs, args.plot)
-        print(f"plot written to {args.plot}")
+    # The results first: a plot that fails must not lose them.
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump({"runs": runs} if args.plot else runs[0], f, indent=2)
+    if args.plot:
+        plot_sweep(runs, args.plot)
+        print(f"plot written to {args.plot}")
     return 0 if all(run["completed"] for run in runs) else 1
 
 

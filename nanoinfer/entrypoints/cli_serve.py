@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args
 from nanoinfer.entrypoints.http_limits import add_limit_args, limits_from_args
@@ -20,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model", help="checkpoint directory (Hugging Face layout) or GGUF file")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    parser.add_argument("--port", type=_port, default=8000, help="port to bind (default: %(default)s)")
     parser.add_argument(
         "--api-key",
         default=None,
@@ -44,17 +45,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_serve)
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {text!r}")
+    return value
+
+
+def check_port_is_free(host: str, port: int) -> None:
+    """Binds ``host:port`` and lets it go again, the way uvicorn will bind it (SO_REUSEADDR, IPv6 for an
+    address with a colon), so that a port already in use is an error before the model spends time
+    loading rather than after. Raises SystemExit with a one-line message."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise SystemExit(
+                f"nanoinfer serve: error: cannot listen on {host}:{port}: {reason} "
+                "(is another server running there? choose another --port)"
+            ) from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from nanoinfer.entrypoints.server import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return run_server(
-        args.model,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        served_model_names=args.served_model_name,
-        limits=limits_from_args(args),
-        log_level=args.log_level,
-        **engine_kwargs_from_args(args),
-    )
+    check_port_is_free(args.host, args.port)
+    try:
+        return run_server(
+            args.model,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            served_model_names=args.served_model_name,
+            limits=limits_from_args(args),
+            log_level=args.log_level,
+            **engine_kwargs_from_args(args),
+        )
+    except (FileNotFoundError, ValueError) as e:  # a bad model path, engine option or limit
+        raise SystemExit(f"nanoinfer serve: error: {e}") from None

@@ -4,12 +4,15 @@ server that checks the result file."""
 import argparse
 import json
 import math
+import socket
+import sys
 
 import pytest
 from transformers import AutoTokenizer
 
 from nanoinfer.benchmarks import serve as bench
 from tests.entrypoints.test_server import MODEL, serve_in_thread
+from tests.models.test_gguf import write_tiny_gguf
 
 
 def test_random_dataset_lengths_prefix_and_seed(tiny_qwen3):
@@ -154,3 +157,73 @@ def test_cli_registers_bench_subcommands():
         ["bench", "serve", "--base-url", "http://h:1", "--model", "m", "--request-rate", "inf"]
     )
     assert args.func is bench.run and args.request_rate == math.inf
+
+
+# -- GGUF checkpoints and --plot -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("bench_gguf") / "tiny.gguf")
+    write_tiny_gguf(path)
+    return path
+
+
+def _dead_url() -> str:
+    """A local URL nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_tokenizer_from_a_gguf_file(tiny_gguf):
+    tokenizer = bench.load_tokenizer(tiny_gguf)
+    vocab = bench._vocab_ids(tokenizer)
+    assert len(vocab) > 100 and not set(vocab) & set(tokenizer.all_special_ids)
+
+
+def test_a_missing_tokenizer_path_is_a_clear_error(tmp_path, capsys):
+    absent = str(tmp_path / "absent.gguf")
+    assert bench.main(["--base-url", _dead_url(), "--model", absent, "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer at" in err and "--tokenizer" in err
+
+
+def test_a_gguf_model_path_is_its_own_tokenizer(tiny_gguf, capsys):
+    # `nanoinfer serve FILE.gguf` serves the model under its path: the same path names the tokenizer.
+    # The tokenizer loads, and the run gets as far as the (absent) server.
+    assert bench.main(["--base-url", _dead_url(), "--model", tiny_gguf, "--num-prompts", "1"]) == 1
+    assert "cannot reach the server" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec and import see no matplotlib
+    argv = ["--base-url", _dead_url(), "--model", "m", "--plot", str(tmp_path / "p.png")]
+    assert bench.main([*argv, "--request-rates", "1,inf"]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "cannot reach" not in err
+
+
+def test_output_directories_are_checked_before_the_run(tmp_path, capsys):
+    absent = str(tmp_path / "absent" / "out")
+    base = ["--base-url", _dead_url(), "--model", "m"]
+    assert bench.main([*base, "--result-file", absent + ".json"]) == 2
+    assert bench.main([*base, "--plot", absent + ".png", "--request-rates", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--result-file: the directory of" in err and "--plot: the directory of" in err
+
+
+def test_bench_a_gguf_model_and_keep_results_when_the_plot_fails(tiny_gguf, tmp_path, monkeypatch):
+    def failing_plot(runs, path):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(bench, "plot_sweep", failing_plot)
+    result_file = tmp_path / "sweep.json"
+    with serve_in_thread(tiny_gguf) as srv:
+        argv = ["--base-url", srv.url, "--model", MODEL, "--tokenizer", tiny_gguf, "--num-prompts", "3"]
+        argv += ["--random-input-len", "8", "--random-output-len", "3", "--num-warmups", "0"]
+        argv += ["--plot", str(tmp_path / "p.png"), "--request-rates", "inf"]
+        with pytest.raises(RuntimeError, match="no display"):
+            bench.main([*argv, "--result-file", str(result_file)])
+    (run,) = json.loads(result_file.read_text())["runs"]
+    assert run["completed"] == 3 and run["failed"] == 0 and run["total_output_tokens"] == 9

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import builtins
 import io
+import os
+import select
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -29,6 +35,22 @@ def test_generate_defaults():
     assert args.max_tokens == 128 and args.temperature == 0.0 and args.no_chat_template is False
     assert engine_kwargs_from_args(args) == {}
     assert args.func is cli_generate._generate
+    # Unset sampling flags are SamplingParams' own defaults, except greedy decoding and a longer answer.
+    params = cli_generate.sampling_params_from_args(args)
+    defaults = SamplingParams(temperature=0.0, max_tokens=128)
+    assert params == defaults
+
+
+def test_sampling_flags_reach_sampling_params():
+    args = _parse(
+        ["generate", "Hi", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "40", "--min-p", "0.05"]
+        + ["--repetition-penalty", "1.1", "--stop", "\n\n", "--stop", "User:", "--seed", "7"]
+    )
+    params = cli_generate.sampling_params_from_args(args)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.7, 0.9, 40, 0.05)
+    assert params.repetition_penalty == 1.1 and params.stop == ["\n\n", "User:"]
+    # --seed is the engine's: a fresh `generate` with the same seed samples the same answer.
+    assert engine_kwargs_from_args(args) == {"seed": 7}
 
 
 def test_generate_flags_reach_engine_kwargs():
@@ -57,7 +79,18 @@ def test_chat_flags():
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--max-tokens", "0"), ("--max-tokens", "x"), ("--temperature", "-1"), ("--temperature", "nan")],
+    [
+        ("--max-tokens", "0"),
+        ("--max-tokens", "x"),
+        ("--temperature", "-1"),
+        ("--temperature", "nan"),
+        ("--temperature", "inf"),
+        ("--top-p", "0"),
+        ("--top-p", "1.5"),
+        ("--top-k", "-2"),
+        ("--min-p", "2"),
+        ("--repetition-penalty", "0"),
+    ],
 )
 def test_invalid_values_are_rejected_naming_the_flag(capsys, flag, value):
     with pytest.raises(SystemExit) as exit_info:
@@ -92,6 +125,34 @@ def test_generate_prints_the_chat_answer(tiny_qwen3, tiny_llm, capsys):
     assert cli.main(argv) == 0
     expected = _expected_chat(tiny_llm, [{"role": "user", "content": "Paged attention"}], 6)
     assert capsys.readouterr().out == expected + "\n"
+
+
+def test_generate_streams_its_answer(tiny_qwen3, tiny_llm, monkeypatch):
+    out = _RecordingOut()
+    monkeypatch.setattr(sys, "stdout", out)
+    argv = ["generate", "Paged attention", "--model", tiny_qwen3, "--max-tokens", "8", *ENGINE_FLAGS]
+    assert cli.main(argv) == 0
+    expected = _expected_chat(tiny_llm, [{"role": "user", "content": "Paged attention"}], 8)
+    assert out.getvalue() == expected + "\n"
+    assert len(out.chunks) > 4, "the answer was written in one piece, not streamed"
+
+
+def test_generate_stops_at_a_stop_string(tiny_qwen3, tiny_llm, capsys):
+    messages = [{"role": "user", "content": "Paged attention"}]
+    full = _expected_chat(tiny_llm, messages, 12)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    argv = ["generate", "Paged attention", "--model", tiny_qwen3, "--max-tokens", "12", "--stop", stop]
+    assert cli.main(argv + ENGINE_FLAGS) == 0
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop=[stop])
+    expected = tiny_llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    assert capsys.readouterr().out == expected + "\n"
+    assert stop not in expected and len(expected) < len(full)
+
+
+def test_generate_reports_a_rejected_prompt_in_one_line(tiny_qwen3):
+    too_long = "Paged attention stores keys and values in blocks. " * 40  # far beyond max_model_len=128
+    with pytest.raises(SystemExit, match=r"^nanoinfer generate: error: prompt is \d+ tokens long"):
+        cli.main(["generate", too_long, "--model", tiny_qwen3, "--no-chat-template", *ENGINE_FLAGS])
 
 
 def test_generate_without_chat_template_completes_raw_text(tiny_qwen3, tiny_llm, capsys):
@@ -150,6 +211,118 @@ def test_chat_reset_and_end_of_input(tiny_llm):
     params = SamplingParams(temperature=0.0, max_tokens=3)
     history = cli_generate.run_chat(tiny_llm, params, io.StringIO("first\n/reset\nsecond\n"), io.StringIO())
     assert [m["content"] for m in history if m["role"] == "user"] == ["second"]
+
+
+def test_chat_commands_are_handled_locally(tiny_llm, capsys):
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    out = io.StringIO()
+    lines = io.StringIO("first\n/help\n/clear\n/xyz now\n//etc is a directory\nsecond\n/quit\nnever read\n")
+    history = cli_generate.run_chat(tiny_llm, params, lines, out, system="Be brief.")
+    # /clear kept the system message and dropped "first"; no command reached the model.
+    assert history[0] == {"role": "system", "content": "Be brief."}
+    assert [m["content"] for m in history if m["role"] == "user"] == ["/etc is a directory", "second"]
+    # Three answers and nothing else: the commands printed nothing on the answer stream.
+    first = _expected_chat(tiny_llm, [history[0], {"role": "user", "content": "first"}], 3)
+    assert out.getvalue() == f"{first}\n{history[2]['content']}\n{history[4]['content']}\n"
+    err = capsys.readouterr().err
+    assert err.count(cli_generate.CHAT_HELP) == 2  # /help, and the unknown /xyz
+    assert "unknown command /xyz" in err and "new conversation" in err
+    for command in ("/help", "/clear", "/exit", "/quit"):
+        assert command in cli_generate.CHAT_HELP
+
+
+def test_chat_exit_command(tiny_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    history = cli_generate.run_chat(tiny_llm, params, io.StringIO("/EXIT\nnever read\n"), io.StringIO())
+    assert history == []
+
+
+def test_terminal_lines_read_with_input_and_line_editing(monkeypatch):
+    typed = iter(["hello", "/exit"])
+    prompts = []
+
+    def fake_input(prompt: str) -> str:
+        prompts.append(prompt)
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    monkeypatch.delitem(sys.modules, "readline", raising=False)
+    lines = cli_generate.TerminalLines("> ")
+    try:
+        import readline  # noqa: F401
+    except ImportError:
+        pass  # no readline on this Python: TerminalLines still reads, without line editing
+    else:
+        assert "readline" in sys.modules, "TerminalLines did not turn line editing on"
+    assert [lines.readline(), lines.readline(), lines.readline()] == ["hello\n", "/exit\n", ""]
+    assert prompts == ["> "] * 3
+
+
+def _talk_on_a_terminal(argv: list[str], typed: list[bytes], first_wait_s: float = 60.0) -> tuple[int, str]:
+    """Runs the CLI with a pseudo-terminal as stdin/stdout/stderr, typing each entry after the previous
+    output settles; returns the exit status and everything the terminal showed."""
+    pty = pytest.importorskip("pty")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nanoinfer.entrypoints.cli", *argv],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    os.close(terminal)
+    shown = b""
+
+    def read_until_quiet(limit_s: float) -> None:
+        nonlocal shown
+        deadline, quiet_since = time.monotonic() + limit_s, None
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([controller], [], [], 0.1)
+            if ready:
+                try:
+                    shown += os.read(controller, 4096)
+                except OSError:  # the process closed the terminal
+                    return
+                quiet_since = None
+            elif shown.endswith(b"> "):
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > 0.3:
+                    return
+
+    try:
+        read_until_quiet(first_wait_s)
+        for keys in typed:
+            os.write(controller, keys)
+            read_until_quiet(20.0)
+        status = process.wait(timeout=30)
+    finally:
+        process.kill()
+        os.close(controller)
+    return status, shown.decode(errors="replace").replace("\r\n", "\n")
+
+
+def test_chat_on_a_terminal_edits_lines_and_recalls_history(tiny_qwen3):
+    pytest.importorskip("readline")
+    argv = ["chat", "--model", tiny_qwen3, "--max-tokens", "4", *ENGINE_FLAGS]
+    up_arrow = b"\x1b[A"
+    status, shown = _talk_on_a_terminal(
+        argv, [b"/help\n", b"Paged attention\n", up_arrow + b"\n", b"/exit\n"]
+    )
+    assert status == 0, shown
+    assert "/help for the commands" in shown and "/clear  start a new conversation" in shown
+    # The up arrow brought back the last message, which was sent again: readline's history.
+    assert shown.count("> Paged attention\n") == 2, shown
+    assert "\x1b[A" not in shown
+
+
+def test_terminal_lines_without_readline_still_read(monkeypatch):
+    monkeypatch.setitem(sys.modules, "readline", None)  # makes `import readline` fail
+    monkeypatch.setattr(builtins, "input", lambda prompt: "hi")
+    assert cli_generate.TerminalLines("> ").readline() == "hi\n"
 
 
 def test_chat_drops_a_turn_the_engine_rejects(tiny_llm, capsys):
