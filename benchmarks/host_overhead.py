@@ -44,7 +44,7 @@ def measure(model: str, batch_size: int, context: int, steps: int, profile: bool
         max_num_batched_tokens=batch_size * context,
         num_kvcache_blocks=batch_size * blocks_per_seq,
     )
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.engine_core.executor.runner
     hidden_size = TINY_SHAPE["hidden_size"]
     logits = torch.randn(batch_size, TINY_SHAPE["vocab_size"])
     runner.model.forward = lambda input_ids, positions, meta: torch.zeros(len(input_ids), hidden_size)
@@ -56,7 +56,7 @@ def measure(model: str, batch_size: int, context: int, steps: int, profile: bool
     rng = random.Random(0)
     for i in range(batch_size):
         engine.add_request(str(i), [rng.randrange(3, 380) for _ in range(context)], params)
-    while engine.scheduler.waiting:
+    while engine.engine_core.scheduler.waiting:
         engine.step()
     engine.step()
     profiler = cProfile.Profile() if profile else None
@@ -83,6 +83,9 @@ def measure(model: str, batch_size: int, context: int, steps: int, profile: bool
 
 
 def main() -> int:
+    # One thread: what is measured is Python; a thread pool competing with other processes for the cores
+    # adds stalls of a scheduler time slice to whole steps.
+    torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="64,256")
     parser.add_argument("--context", type=int, default=1024)

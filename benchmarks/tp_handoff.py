@@ -1,8 +1,9 @@
 """Host cost of handing one decode step to a tensor-parallel worker (CPU only, no model).
 
-For decode batches of several sizes (1024-token contexts, 64-entry block tables): the time to build the
-step's StepInputs on rank 0, to pickle and unpickle them, and to send them through the shared-memory
-channel to a reader process (which includes waiting for its acknowledgement of the previous step).
+For decode batches of several sizes (1024-token contexts, 64-entry block tables, already in the
+persistent batch): the time to build the step's StepInputs on rank 0, to pickle and unpickle them, and
+to send them through the shared-memory channel to a reader process (which includes waiting for its
+acknowledgement of the previous step).
 
     python3 benchmarks/tp_handoff.py [--batch-sizes 64,256] [--result-file F]
 """
@@ -16,9 +17,11 @@ import pickle
 import time
 from pathlib import Path
 
-from nanoinfer.executor.batch import ModelInput, ScheduledRow
-from nanoinfer.executor.model_runner import prepare_step
-from nanoinfer.executor.shm_channel import ChannelReader, ChannelWriter
+import torch
+
+from nanoinfer.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from nanoinfer.executor.input_batch import InputBatch
+from nanoinfer.executor.tp.channel import ChannelReader, ChannelWriter
 from nanoinfer.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -42,12 +45,27 @@ def _per_call_us(fn, n: int) -> float:
 
 def measure(batch_size: int, n: int) -> dict:
     params = SamplingParams(temperature=0.6)
-    rows = [
-        ScheduledRow([5], 1000 + i % 20, list(range(i * 64, i * 64 + 64)), True, params)
-        for i in range(batch_size)
-    ]
-    batch = ModelInput(False, rows)
-    step = prepare_step(batch, BLOCK_SIZE)
+    batch = InputBatch(batch_size, 80, BLOCK_SIZE, torch.device("cpu"))
+    ids = [str(i) for i in range(batch_size)]
+    tables = [list(range(i * 64, i * 64 + 64)) for i in range(batch_size)]
+    admit = SchedulerOutput(
+        new_requests={
+            rid: NewRequestData(rid, params, 0, table, [], None)
+            for rid, table in zip(ids, tables, strict=True)
+        }
+    )
+    batch.prepare(admit)
+    batch.num_blocks[:] = 0  # the rows below send their tables
+    out = SchedulerOutput(
+        scheduled=[
+            ScheduledRequest(rid, 1000 + i % 20, 1, [5], False, table, True, 10)
+            for i, (rid, table) in enumerate(zip(ids, tables, strict=True))
+        ]
+    )
+    batch.prepare(out)
+    for row in out.scheduled:
+        row.new_block_ids = []  # from now on a steady decode step: no block is new
+    step, _ = batch.prepare(out)
     ctx = mp.get_context("spawn")
     writer = ChannelWriter(1 << 22, 1, ctx)
     process = ctx.Process(target=_reader, args=(writer.reader_handle(0),), daemon=True)
@@ -61,7 +79,7 @@ def measure(batch_size: int, n: int) -> dict:
         writer.close()
     return {
         "batch_size": batch_size,
-        "prepare_step_us": round(_per_call_us(lambda: prepare_step(batch, BLOCK_SIZE), n)),
+        "prepare_step_us": round(_per_call_us(lambda: batch.prepare(out), n)),
         "pickle_roundtrip_us": round(_per_call_us(lambda: pickle.loads(pickle.dumps(step, protocol=5)), n)),
         "channel_send_us": round(send),
         "message_bytes": len(pickle.dumps(step, protocol=5)),

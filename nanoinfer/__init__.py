@@ -1,6 +1,6 @@
 """nanoinfer: a compact LLM inference engine with a vLLM-compatible offline API."""
 
-from nanoinfer.entrypoints.llm import LLM
+from nanoinfer.frontend.llm import LLM
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 

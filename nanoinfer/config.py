@@ -39,6 +39,9 @@ class EngineConfig:
     cpu_kvcache_space_bytes: int = 4 << 30
     attention_backend: str = "auto"
     seed: int = 0
+    # Schedule and prepare step n+1 while the device runs step n. None: on for CUDA, off on the CPU
+    # (where it gains nothing; it works there too, with the same tokens).
+    async_scheduling: bool | None = None
 
     # Resolved in __post_init__.
     hf_config: Any = field(init=False, repr=False, default=None)
@@ -59,6 +62,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self._validate_ranges()
         self.device = self._resolve_device()
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device == "cuda"
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
         elif self.attention_backend == "triton" and self.device != "cuda":
@@ -105,6 +110,8 @@ class EngineConfig:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be None or a bool, got {self.async_scheduling!r}")
 
     def _resolve_device(self) -> str:
         if self.device == "auto":

@@ -208,6 +208,15 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank, in place."""
+    try:
+        dist.broadcast(x, src=0)
+    except (RuntimeError, ValueError) as e:
+        raise _collective_failed("broadcast", e) from e
+    return x
+
+
 def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     """Concatenates every rank's (equally shaped) shard along ``dim`` on rank 0; other ranks get None.
 

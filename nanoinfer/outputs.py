@@ -37,6 +37,16 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request (wall-clock seconds, time.time()), as vLLM reports them."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -50,3 +60,4 @@ class RequestOutput:
     # Why the request failed (its completions then have finish_reason "error"); None if it did not.
     # A failure is the request's own: the engine goes on with the others.
     error: str | None = None
+    metrics: RequestMetrics | None = None

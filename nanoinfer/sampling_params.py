@@ -25,10 +25,13 @@ _MASK64 = (1 << 64) - 1
 
 
 class RequestOutputKind(Enum):
-    """When the engine reports a request (vLLM's names). Streaming needs every step's cumulative
-    output; offline generation only the final one, which lets the engine skip per-step text work."""
+    """What the engine reports of a request and when (vLLM's names): CUMULATIVE, after every step that
+    advanced it, everything so far; DELTA, after every such step, only what is new (text, token ids,
+    logprobs), which streaming needs; FINAL_ONLY, once, when it finishes (offline generation), which
+    lets the engine skip per-step text work."""
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 

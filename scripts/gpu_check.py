@@ -106,7 +106,7 @@ def engine_checks() -> bool:
             for eager in (True, False):
                 mode = "eager" if eager else "cudagraph"
                 llm = LLM(path, kvcache_block_size=block_size, enforce_eager=eager)
-                graphs_ok = eager or bool(llm.llm_engine.model_runner.graphs)
+                graphs_ok = eager or bool(llm.llm_engine.engine_core.executor.runner.graphs)
                 ok &= check(f"hd{head_dim} bs{block_size} {mode}", llm, hf, prompts, refs) and graphs_ok
                 llm.close()
         # Chunked prefill, then prefix hits on a second batch sharing the prompts' prefixes.

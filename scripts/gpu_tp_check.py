@@ -239,7 +239,7 @@ def killed_worker_check(
     so run each attempt in a process of its own (``--kill-after``). Should anything hang, faulthandler
     ends the script after ``2 * deadline_s``."""
     llm = LLM(model, tensor_parallel_size=2, **engine_kwargs)
-    worker = llm.llm_engine.model_runner.workers.processes[0]
+    worker = llm.llm_engine.engine_core.executor.workers.processes[0]
     # Long enough (about 1800 steps) that the kill lands in the middle of the generation, most likely
     # inside a step, while rank 0 waits in a collective.
     prompts = random_prompts(64, 50, 200, 384, seed=5)

@@ -6,7 +6,6 @@
 #   scripts/h200_run.sh tp      (2 GPUs) tensor parallelism: TP=2 against TP=1, correctness and
 #                               throughput (Qwen3-0.6B and -8B shapes), then a worker killed mid-run
 #                               (about 8 minutes)
-#   scripts/h200_run.sh sampler-ab  default-params throughput of this tree against the core-engine sampler
 # Server dependencies missing on the device travel as wheels in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/nanoinfer-out}
@@ -61,12 +60,8 @@ tp)
         echo "killed worker, kill after $after s: exit status $?"
     done
     ;;
-sampler-ab)
-    write_checkpoint
-    timeout 150 python3 scripts/gpu_sampler_ab.py --model "$CKPT" --reps "${REPS:-3}"
-    ;;
 *)
-    echo "usage: $0 check|serve|tp|sampler-ab" >&2
+    echo "usage: $0 check|serve|tp" >&2
     exit 2
     ;;
 esac

@@ -249,7 +249,7 @@ def profile_decode_step(llm, batch: int = 256, context: int = 1024) -> dict[str,
     )
     for i in range(batch):
         engine.add_request(f"profile-{i}", [rng.randint(0, 10000) for _ in range(context)], params)
-    while engine.scheduler.waiting:
+    while engine.engine_core.scheduler.waiting:
         engine.step()
     for _ in range(3):
         engine.step()
@@ -303,7 +303,7 @@ def physical_bound(llm, prompts: list[list[int]], max_tokens: list[int]) -> dict
     sequence's KV at the measured copy bandwidth; prefill does its FLOPs at the measured bf16 matmul rate."""
     import torch
 
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.engine_core.executor.runner
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_per_token = runner.kv_block_bytes // runner.block_size
     num_params = sum(p.numel() for p in runner.model.parameters())

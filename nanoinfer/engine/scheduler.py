@@ -1,134 +1,375 @@
-"""FCFS scheduling with chunked prefill, decode batching and preemption by recomputation.
+"""One scheduling loop under one token budget (vLLM V1's shape), with preemption by recomputation.
 
-Every sequence is driven by one number, ``num_computed_tokens``: a step computes the next chunk of its
-uncomputed tokens, and once none remain the model's output for the last one is sampled. Prefix hits,
-chunked prefill and recomputation after preemption are all the same path.
+Every request is driven by one number, ``num_computed_tokens``: a step computes the next tokens after it
+(a prompt chunk, or the one token sampled last), and the step that reaches the end of the sequence
+samples the next token. Prefill, chunked prefill, prefix hits, decode and recomputation after a
+preemption are all that one path. Each step schedules the running requests first (each needs its
+remaining tokens, normally 1), then admits waiting ones while the budget, ``max_num_seqs`` and the KV
+pool allow; any number of prompts may be chunked. When a running request needs a block and none is
+free, the latest arrival is preempted.
+
+With async scheduling a step is scheduled before the previous one's tokens are known: the previous
+step's sampled token is still on the device (``num_pending``) and becomes the next input there.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.sequence import Sequence, SequenceStatus
+import numpy as np
+
+from nanoinfer.engine.kv_cache_manager import KVCacheManager
+from nanoinfer.engine.request import EngineRequest, Request, RequestStatus
+from nanoinfer.sample.logprobs import TokenLogprobs
+from nanoinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request taking a row of the model runner's persistent batch: on admission, and again when it
+    resumes after a preemption."""
+
+    request_id: str
+    params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    # EOS and stop_token_ids: what min_tokens masks until it is reached.
+    min_tokens_banned_ids: list[int]
+    # Distinct prompt token ids, for the repetition penalty (None: the request has none).
+    distinct_prompt_ids: np.ndarray | None
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's work in a step (one row of the batch)."""
+
+    request_id: str
+    start_pos: int  # position of the first token computed == tokens already in the cache
+    num_tokens: int
+    # The ids of the tokens to compute that the host knows: all of them, or all but the last when that
+    # one is the token the previous step sampled (``last_token_pending``), still on the device.
+    token_ids: list[int]
+    last_token_pending: bool
+    new_block_ids: list[int]  # appended to its block table since its previous step
+    samples: bool  # the step reaches the end of the sequence: a token is sampled from its last position
+    num_output_tokens: int  # generated before this step's sample (its noise offset; min_tokens)
+    # Penalties: the generated tokens the host knows (the pending one is added on the device).
+    output_token_ids: np.ndarray | None = None
+    # Prompt logprobs: the prompt token following each position from prompt_logprob_start on.
+    prompt_logprob_targets: list[int] | None = None
+    prompt_logprob_start: int = 0
 
 
 @dataclass
 class SchedulerOutput:
-    seqs: list[Sequence]
-    is_prefill: bool
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: dict[str, NewRequestData] = field(default_factory=dict)
+    # Requests that left the batch since the previous step (finished, aborted, preempted).
+    finished_request_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
 
     @property
-    def num_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.seqs)
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one core request: new token ids (normally one), and how it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    stop_reason: int | None = None  # the stop_token_ids entry that stopped it
+    new_logprobs: TokenLogprobs | None = None  # one position per new token
+    prompt_logprobs: TokenLogprobs | None = None  # a chunk of positions, from prompt_logprobs_start
+    prompt_logprobs_start: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RunnerOutput:
+    """The model runner's answer for one SchedulerOutput, row for row."""
+
+    token_ids: list[int]  # per scheduled row; -1 for rows that do not sample
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # row -> its sampled token's logprobs
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # row -> its chunk
+    failed_rows: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.block_manager = block_manager
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()  # new, preempted, or mid chunked prefill (at the head)
-        self.running: deque[Sequence] = deque()  # prompt computed; decoding
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()  # new or preempted, in arrival order
+        self.running: list[Request] = []  # admitted: prefilling or decoding, in admission order
+        # Requests waiting for their leader's prompt to be in the prefix cache, by leader id.
+        self.followers: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self._num_arrivals = 0
+        self._left_batch: list[str] = []
+        # Block ids each request in the batch has already been sent to the model runner.
+        self._num_blocks_sent: dict[str, int] = {}
+        # Prompt positions whose logprobs were already returned (a preempted request recomputes them).
+        self._prompt_logprobs_done: dict[str, int] = {}
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    # -- requests --------------------------------------------------------------------------------------
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    def add_request(self, engine_request: EngineRequest) -> Request:
+        if engine_request.request_id in self.requests:
+            raise ValueError(f"request_id {engine_request.request_id!r} is already in use")
+        request = Request(engine_request, self._num_arrivals)
+        self._num_arrivals += 1
+        self.requests[request.request_id] = request
+        leader = self.requests.get(request.leader_id) if request.leader_id else None
+        if leader is not None and not leader.is_finished and leader.num_output_tokens == 0:
+            self.followers.setdefault(leader.request_id, []).append(request)
+        else:
+            self.waiting.append(request)
+        return request
 
-    def schedule(self) -> SchedulerOutput | None:
-        """Prefill has priority; when no prefill can run, every running sequence decodes one token."""
-        prefill = self._schedule_prefill()
-        if prefill:
-            return SchedulerOutput(prefill, is_prefill=True)
-        decode = self._schedule_decode()
-        if decode:
-            return SchedulerOutput(decode, is_prefill=False)
-        # Decode preempted everything it held, which puts those sequences back into waiting.
-        prefill = self._schedule_prefill()
-        return SchedulerOutput(prefill, is_prefill=True) if prefill else None
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
-        budget = self.max_num_batched_tokens
-        # Admitted sequences join `running` as they are scheduled, so its length is the batch so far.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached: list[int] = []
-            if not seq.block_table:
-                cached = self.block_manager.match_prefix(seq)
-                if not self.block_manager.can_allocate(seq, cached):
-                    break
-                num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
-            else:  # the rest of a chunked prefill
-                num_new = seq.num_uncomputed_tokens
-            # Only the first sequence of a batch may be split; later ones go whole or wait.
-            if num_new > budget and scheduled:
-                break
-            if not seq.block_table:
-                self.block_manager.allocate(seq, cached)
-                if seq.num_cached_prompt_tokens < 0:
-                    seq.num_cached_prompt_tokens = seq.num_computed_tokens
-            seq.num_scheduled_tokens = min(num_new, budget)
-            budget -= seq.num_scheduled_tokens
-            scheduled.append(seq)
-            if seq.num_scheduled_tokens < num_new:
-                break  # the chunked sequence stays at the head of waiting
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-        return scheduled
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Removes the requests wherever they are and frees their blocks; unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, "abort")
 
-    def _schedule_decode(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.block_manager.try_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())  # the latest arrival yields first
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                seq.num_scheduled_tokens = 1
-                scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        return scheduled
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            for group in self.followers.values():
+                if request in group:
+                    group.remove(request)
+        self._leave_batch(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        self._prompt_logprobs_done.pop(request.request_id, None)
+        self._release_followers(request)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.deallocate(seq)
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+    def _leave_batch(self, request: Request) -> None:
+        if self._num_blocks_sent.pop(request.request_id, None) is not None:
+            self._left_batch.append(request.request_id)
+
+    def _release_followers(self, leader: Request) -> None:
+        """Followers join the queue once their leader's prompt blocks are cached (or it is gone)."""
+        for follower in self.followers.pop(leader.request_id, ()):
+            self.waiting.append(follower)
+
+    def _preempt(self, request: Request) -> None:
+        self._leave_batch(request)
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Advances each scheduled sequence past the tokens computed this step and publishes newly full
-        blocks to the prefix cache. Returns the sequences that now need a sampled token (their last
-        token is computed), in batch order."""
-        ready = []
-        for seq in seqs:
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            self.block_manager.register_computed_blocks(seq)
-            if seq.num_uncomputed_tokens == 0:
-                ready.append(seq)
-        return ready
+    # -- scheduling ------------------------------------------------------------------------------------
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        self.block_manager.deallocate(seq)
-        self.running.remove(seq)
+    def _at_length_limit(self, request: Request) -> bool:
+        """Whether the tokens already sampled (some perhaps still on the device) end the request."""
+        max_tokens = request.params.max_tokens
+        return (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
+            request.num_tokens + request.num_pending >= self.max_model_len
+        )
 
-    def abort(self, seq: Sequence) -> None:
-        """Removes ``seq`` wherever it is (waiting, mid chunked prefill, running) and frees its blocks."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        elif seq in self.running:
-            self.running.remove(seq)
-        self.block_manager.deallocate(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            # With async scheduling a request whose pending token ends it is left out (it finishes when
+            # that token arrives); an EOS it sampled is only seen then, costing one wasted row.
+            if request.num_pending and self._at_length_limit(request):
+                i += 1
+                continue
+            num_new = min(request.num_tokens_to_compute, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the latest admission yields first
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._schedule(out, request, num_new)
+                budget -= num_new
+                i += 1
+        # Admissions wait while requests are being preempted: they would only take blocks back.
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting.popleft()
+            if request.num_pending:  # preempted with a sampled token still on its way to the host
+                skipped.append(request)
+                continue
+            cached = self.kv.find_cached_prefix(request)
+            num_new = min(request.num_tokens - len(cached) * self.block_size, budget)
+            if not self.kv.allocate_slots(request, num_new, cached):
+                self.waiting.appendleft(request)
+                break
+            self.kv.record_prefix_query(request)
+            if request.num_cached_prompt_tokens < 0:
+                request.num_cached_prompt_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.new_requests[request.request_id] = NewRequestData(
+                request.request_id,
+                request.params,
+                request.seed,
+                request.block_ids,  # the runner reads it during this step only
+                request.min_tokens_banned_ids,
+                request.distinct_prompt_ids,
+            )
+            self._num_blocks_sent[request.request_id] = 0
+            self._schedule(out, request, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        out.finished_request_ids, self._left_batch = self._left_batch, []
+        out.num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        num_known = request.num_tokens
+        sent = self._num_blocks_sent[request.request_id]
+        samples = end == num_known + request.num_pending
+        row = ScheduledRequest(
+            request_id=request.request_id,
+            start_pos=start,
+            num_tokens=num_new,
+            token_ids=request.token_ids[start:end]
+            if end <= num_known
+            else request.token_ids[start:num_known],
+            last_token_pending=end > num_known,
+            new_block_ids=request.block_ids[sent:],
+            samples=samples,
+            num_output_tokens=request.num_output_tokens,
+        )
+        self._num_blocks_sent[request.request_id] = len(request.block_ids)
+        if samples and request.output_token_array is not None:
+            row.output_token_ids = request.output_token_array.view()
+        if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens:
+            done = self._prompt_logprobs_done.get(request.request_id, 0)
+            first = max(start, done)
+            targets = request.token_ids[first + 1 : min(end + 1, request.num_prompt_tokens)]
+            if targets:
+                row.prompt_logprob_targets = targets
+                row.prompt_logprob_start = first - start
+                self._prompt_logprobs_done[request.request_id] = first + len(targets)
+        request.num_computed_tokens = end
+        if samples:
+            request.num_pending += 1
+        out.scheduled.append(row)
+
+    # -- results ---------------------------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Applies a finished step: appends the sampled tokens, ends requests that stop, publishes newly
+        full blocks to the prefix cache. Returns the step's outputs; rows of requests that finished or
+        were aborted meanwhile are dropped (with async scheduling, their extra token)."""
+        outputs: list[EngineCoreOutput] = []
+        for row_index, row in enumerate(out.scheduled):
+            request = self.requests.get(row.request_id)
+            if request is None:
+                continue
+            try:
+                output = self._apply_row(request, row, row_index, result)
+            except Exception as e:  # this request's own fault: it fails alone
+                logger.exception("request %s failed", row.request_id)
+                output = self._fail(request, f"{type(e).__name__}: {e}")
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _apply_row(
+        self, request: Request, row: ScheduledRequest, row_index: int, result: RunnerOutput
+    ) -> EngineCoreOutput | None:
+        output = None
+        prompt_chunk = result.prompt_logprobs.get(row_index)
+        if prompt_chunk is not None:
+            output = EngineCoreOutput(request.request_id, [])
+            output.prompt_logprobs = prompt_chunk
+            output.prompt_logprobs_start = row.start_pos + row.prompt_logprob_start
+        if not row.samples:
+            if request.block_ids:
+                self.kv.cache_full_blocks(request)
+            return output
+        request.num_pending -= 1
+        error = result.failed_rows.get(row_index)
+        if error is not None:
+            return self._fail(request, error)
+        token_id = result.token_ids[row_index]
+        request.append_token(token_id)
+        if output is None:
+            output = EngineCoreOutput(request.request_id, [token_id])
+        else:
+            output.new_token_ids = [token_id]
+        output.new_logprobs = result.logprobs.get(row_index)
+        if request.num_output_tokens - request.num_pending == 1:
+            output.num_cached_tokens = max(request.num_cached_prompt_tokens, 0)
+            self._release_followers(request)
+        if request.block_ids:
+            self.kv.cache_full_blocks(request)
+        reason = self._stop_reason(request, token_id)
+        if reason is not None:
+            output.finish_reason = reason
+            output.stop_reason = request.stop_reason
+            self._finish(request, reason)
+        return output
+
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.params
+        num_output = request.num_tokens - request.num_prompt_tokens
+        # Nothing stops a request before min_tokens (the sampler also masks EOS and stop tokens).
+        if num_output > params.min_tokens:
+            if token_id in request.eos_token_ids:
+                return "stop"
+            if token_id in request.stop_token_ids:
+                request.stop_reason = token_id
+                return "stop"
+        if (params.max_tokens is not None and num_output >= params.max_tokens) or (
+            request.num_tokens >= self.max_model_len
+        ):
+            return "length"
+        return None
+
+    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+        logger.error("request %s failed: %s", request.request_id, error)
+        self._finish(request, "error")
+        return EngineCoreOutput(request.request_id, [], finish_reason="error", error=error)
+
+    def stats(self) -> dict[str, int]:
+        kv = self.kv
+        return {
+            "num_kv_blocks_total": kv.num_blocks,
+            "num_kv_blocks_free": kv.num_free_blocks,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting) + sum(map(len, self.followers.values())),
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queried_tokens": kv.queried_tokens,
+            "prefix_cache_hit_tokens": kv.hit_tokens,
+        }

@@ -34,6 +34,7 @@ ENGINE_OPTION_HELP = {
     "attention_backend": "attention kernels; auto is triton on CUDA, torch (pure PyTorch) on CPU",
     "seed": "seed of the engine's random sampling; the same seed repeats a run's sampled answers",
     "cpu_num_threads": "threads each CPU process uses (default: torch's, every core)",
+    "async_scheduling": "schedule and prepare step n+1 while the device runs step n (default: on for CUDA)",
 }
 
 # Extra option strings, vLLM's names for the same options.

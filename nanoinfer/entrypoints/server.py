@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import inspect
 import logging
@@ -29,13 +30,13 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from nanoinfer.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from nanoinfer.entrypoints import openai_protocol as protocol
 from nanoinfer.entrypoints.http_limits import ServerLimits, header_timeout_protocol
 from nanoinfer.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from nanoinfer.metrics import ServingMetrics
-from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.outputs import Logprob, RequestOutput
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +324,11 @@ class OpenAIServer:
             raise APIError(f"the engine is not running: {self.async_llm.error}", status_code=503)
         self._check_limits(request)
         prompts = await self._on_tokenizer_thread(self._prompt_token_ids, request)
-        params = [self._sampling_params(request, len(ids)) for ids in prompts]
+        # A stream consumes each step's new text only; a whole response, the final output only.
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        params = [
+            dataclasses.replace(self._sampling_params(request, len(ids)), output_kind=kind) for ids in prompts
+        ]
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = await self._add_requests(response_id, prompts, params, request)
         reply = _Reply(response_id, model, chat, [len(p) for p in prompts], params[0], self._decode_token)
@@ -395,11 +400,10 @@ class _Reply:
     def _choice_index(self, prompt_index: int, completion_index: int) -> int:
         return prompt_index * self.num_choices + completion_index
 
-    def _logprobs(self, c: CompletionOutput, start: int, text_offset: int) -> dict | None:
-        """The logprobs of ``c``'s tokens from ``start`` on, in the endpoint's format."""
-        if self.num_top_logprobs is None or c.logprobs is None:
+    def _logprobs(self, token_ids: list[int], logprobs: list | None, text_offset: int) -> dict | None:
+        """The logprobs of these tokens, in the endpoint's format."""
+        if self.num_top_logprobs is None or logprobs is None:
             return None
-        token_ids, logprobs = c.token_ids[start:], c.logprobs[start:]
         if self.chat:
             return protocol.chat_logprobs(token_ids, logprobs, self.decode, self.num_top_logprobs)
         return protocol.completion_logprobs(token_ids, logprobs, self.decode, text_offset)
@@ -411,7 +415,8 @@ class _Reply:
         for prompt_index in sorted(finals):
             for c in finals[prompt_index].outputs:
                 index = self._choice_index(prompt_index, c.index)
-                choices.append(build(index, c.text, c.finish_reason, self._logprobs(c, 0, 0)))
+                logprobs = self._logprobs(c.token_ids, c.logprobs, 0)
+                choices.append(build(index, c.text, c.finish_reason, logprobs))
                 num_generated += len(c.token_ids)
         object_type = "chat.completion" if self.chat else "text_completion"
         usage = protocol.usage(self.num_prompt_tokens, num_generated)
@@ -424,11 +429,12 @@ class _Reply:
         )
 
     async def stream_events(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
-        """The SSE events of a streamed response; closing this generator aborts unfinished requests."""
+        """The SSE events of a streamed response, from the requests' DELTA outputs: one event per engine
+        step with every choice that has new text. Closing this generator aborts unfinished requests."""
         num_generated: dict[int, int] = {}
-        finished: set[int] = set()
-        # Per choice: tokens already covered by a chunk, and (legacy logprobs) the text offset reached.
-        num_sent_tokens: dict[int, int] = {}
+        # Per choice: tokens (with logprobs) not yet sent because they do not complete a character yet,
+        # and (legacy logprobs) the text offset reached.
+        unsent: dict[int, tuple[list[int], list]] = {}
         text_offsets: dict[int, int] = {}
         try:
             if self.chat:
@@ -445,25 +451,25 @@ class _Reply:
                     choices = []
                     for c in output.outputs:
                         index = self._choice_index(prompt_index, c.index)
-                        num_generated[index] = len(c.token_ids)
-                        reason = c.finish_reason if index not in finished else None
-                        if reason is not None:
-                            finished.add(index)
-                        if not c.text_delta and reason is None:
-                            # Tokens that do not complete a character yet: they go out with the next
-                            # chunk, logprobs included.
+                        num_generated[index] = num_generated.get(index, 0) + len(c.token_ids)
+                        token_ids, logprobs = unsent.pop(index, ([], []))
+                        token_ids, logprobs = token_ids + c.token_ids, logprobs + (c.logprobs or [])
+                        if not c.text and c.finish_reason is None:
+                            unsent[index] = (token_ids, logprobs)
                             continue
-                        logprobs = self._logprobs(
-                            c, num_sent_tokens.get(index, 0), text_offsets.get(index, 0)
-                        )
-                        num_sent_tokens[index] = len(c.token_ids)
-                        if logprobs is not None and not self.chat and logprobs["tokens"]:
-                            text_offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                        choice_logprobs = self._logprobs(token_ids, logprobs, text_offsets.get(index, 0))
+                        if choice_logprobs is not None and not self.chat and choice_logprobs["tokens"]:
+                            last = choice_logprobs["text_offset"][-1] + len(choice_logprobs["tokens"][-1])
+                            text_offsets[index] = last
                         if self.chat:
-                            delta = {"content": c.text_delta} if c.text_delta else {}
-                            choices.append(protocol.chat_chunk_choice(index, delta, reason, logprobs))
+                            delta = {"content": c.text} if c.text else {}
+                            choices.append(
+                                protocol.chat_chunk_choice(index, delta, c.finish_reason, choice_logprobs)
+                            )
                         else:
-                            choices.append(protocol.completion_choice(index, c.text_delta, reason, logprobs))
+                            choices.append(
+                                protocol.completion_choice(index, c.text, c.finish_reason, choice_logprobs)
+                            )
                     if choices:
                         yield self._chunk(choices)
             if include_usage:

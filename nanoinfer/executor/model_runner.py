@@ -1,149 +1,105 @@
-"""Runs batches on the device: builds the model, owns the KV cache pool, prepares the per-batch
-attention metadata, replays CUDA graphs for decode and samples."""
+"""Runs steps on the device: builds the model, owns the KV cache pool and the persistent batch, turns a
+SchedulerOutput into device inputs, runs the forward pass (a CUDA graph for pure-decode steps), and
+samples. Knows nothing of worker processes: under tensor parallelism, rank 0's executor hands the same
+StepInputs to every rank (see :mod:`nanoinfer.executor.tp`).
+
+A step is launched without waiting for the device (:meth:`ModelRunner.execute` returns a
+:class:`StepHandle`); its sampled tokens stay on the device, where the next step takes its pending
+inputs from them, and reach the host when :meth:`StepHandle.result` is called.
+"""
 
 from __future__ import annotations
 
-import itertools
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from nanoinfer.config import EngineConfig
-from nanoinfer.distributed import (
-    all_reduce_min,
-    connect_store,
-    destroy_process_group,
-    init_process_group,
-    tensor_parallel_scope,
-)
-from nanoinfer.executor.batch import ModelInput, SamplerOutput, ScheduledRow, StepInputs
-from nanoinfer.executor.tp_worker import TensorParallelWorkers
+from nanoinfer.distributed import all_reduce_min, broadcast_from_rank0, tensor_parallel_scope
+from nanoinfer.engine.scheduler import RunnerOutput, SchedulerOutput
+from nanoinfer.executor.cuda_graphs import CudaGraphs, StepBuffers, cuda_graph_batch_sizes
+from nanoinfer.executor.input_batch import InputBatch, StepInputs, StepPlan
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
 from nanoinfer.layers.fused import use_compiled_ops
-from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.checkpoint import load_weights
 from nanoinfer.models.decoder import DecoderForCausalLM
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sample.logprobs import LogprobsTensors, TokenLogprobs
+from nanoinfer.sample.sampler import Sampler, prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
-
-def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes with a captured graph: 1, 2, 4, 8, then steps of 16, up to max_num_seqs."""
-    cap = min(max_num_seqs, 512)
-    sizes = [b for b in (1, 2, 4, 8) if b < cap] + list(range(16, cap + 1, 16))
-    if not sizes or sizes[-1] < cap:
-        sizes.append(cap)
-    return sizes
+# Waits until a CUDA event has completed (tensor parallelism replaces it with one that watches workers).
+DeviceWait = Callable[[torch.cuda.Event], None]
 
 
-def prepare_step(batch: ModelInput, block_size: int) -> StepInputs:
-    """The step's inputs as host arrays (also what the tensor-parallel workers are sent)."""
-    rows = batch.rows
-    q_lens = [len(r.token_ids) for r in rows]
-    seq_lens = [r.start_pos + n for r, n in zip(rows, q_lens, strict=True)]
-    tables = [r.block_table for r in rows]
-    if batch.is_prefill:
-        input_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in rows), np.int64)
-        per_row = [np.arange(r.start_pos, n, dtype=np.int64) for r, n in zip(rows, seq_lens, strict=True)]
-        positions = np.concatenate(per_row)
-        slots = [
-            np.asarray(table)[pos // block_size] * block_size + pos % block_size
-            if table
-            else np.full(len(pos), -1)  # warm-up rows: no cache yet
-            for pos, table in zip(per_row, tables, strict=True)
-        ]
-        slot_mapping = np.concatenate(slots).astype(np.int64, copy=False)
-    else:
-        # One token per row, at position seq_len - 1. Plain Python beats per-row numpy here.
-        input_ids = np.fromiter((r.token_ids[0] for r in rows), np.int64, count=len(rows))
-        positions = np.asarray(seq_lens, dtype=np.int64) - 1
-        slot_list = [
-            table[(n - 1) // block_size] * block_size + (n - 1) % block_size
-            for table, n in zip(tables, seq_lens, strict=True)
-        ]
-        slot_mapping = np.asarray(slot_list, dtype=np.int64)
-    block_tables = np.zeros((len(rows), max(1, max(len(t) for t in tables))), dtype=np.int32)
-    for i, table in enumerate(tables):
-        block_tables[i, : len(table)] = table
-    query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=query_start_loc[1:])
-    sample_rows = [i for i, r in enumerate(rows) if r.sample]
-    prompt_jobs = [(i, len(r.prompt_logprob_targets)) for i, r in enumerate(rows) if r.prompt_logprob_targets]
-    prompt_logprob_token_index = None
-    if prompt_jobs:
-        # Each such row's first len(prompt_logprob_targets) tokens, rows in order.
-        prompt_logprob_token_index = np.concatenate(
-            [query_start_loc[i] + np.arange(count, dtype=np.int64) for i, count in prompt_jobs]
-        )
-    return StepInputs(
-        is_prefill=batch.is_prefill,
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        query_start_loc=query_start_loc,
-        seq_lens=np.asarray(seq_lens, dtype=np.int32),
-        block_tables=block_tables,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        sample_token_index=query_start_loc[1:][sample_rows].astype(np.int64) - 1,
-        prompt_logprob_token_index=prompt_logprob_token_index,
-    )
+class StepHandle:
+    """A launched step. :meth:`result` waits for its sampled tokens and returns them row for row."""
+
+    def __init__(
+        self,
+        out: SchedulerOutput,
+        plan: StepPlan,
+        tokens: torch.Tensor | None,
+        event: torch.cuda.Event | None,
+        wait: DeviceWait | None,
+    ):
+        self.out = out
+        self.plan = plan
+        self._tokens = tokens  # [sampled rows], on the host (pinned, filled asynchronously) or CPU
+        self._event = event
+        self._wait = wait
+        self.logprobs: LogprobsTensors | None = None
+        self.logprob_rows: list[int] = []  # logits rows the logprobs belong to
+        self.prompt_logprobs: TokenLogprobs | None = None
+        self.failed_rows: dict[int, str] = {}  # logits row -> error
+
+    def result(self) -> RunnerOutput:
+        if self._event is not None:
+            self._wait(self._event)
+        plan = self.plan
+        token_ids = [-1] * len(self.out.scheduled)
+        if self._tokens is not None:
+            for index, token in zip(plan.sample_rows, self._tokens.tolist(), strict=True):
+                token_ids[index] = token
+        result = RunnerOutput(token_ids)
+        if self.logprobs is not None:
+            lists = self.logprobs.to_lists()
+            for position, row in enumerate(self.logprob_rows):
+                result.logprobs[plan.sample_rows[row]] = lists.slice(position, position + 1)
+        if self.prompt_logprobs is not None:
+            start = 0
+            for index, count in plan.prompt_logprob_rows:
+                result.prompt_logprobs[index] = self.prompt_logprobs.slice(start, start + count)
+                start += count
+        result.failed_rows = {plan.sample_rows[row]: error for row, error in self.failed_rows.items()}
+        return result
 
 
 class ModelRunner:
-    """One tensor-parallel rank's model, KV pool and CUDA graphs.
+    """One tensor-parallel rank's model, KV pool, persistent batch and CUDA graphs."""
 
-    Rank 0 is built by the engine; with ``tensor_parallel_size > 1`` it starts ranks 1..N-1 itself (see
-    :mod:`nanoinfer.executor.tp_worker`), hands them every batch at the start of :meth:`execute`, and
-    stops them in :meth:`close`. Workers are built with their ``rank`` and rank 0's ``store_port``.
-    """
-
-    def __init__(self, config: EngineConfig, rank: int = 0, store_port: int | None = None):
+    def __init__(self, config: EngineConfig, rank: int = 0):
         self.config = config
         self.rank = rank
         self.tp_size = config.tensor_parallel_size
         self.block_size = config.kvcache_block_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.dtype = config.torch_dtype
-        self.workers = None  # rank 0's handle on the other ranks
-        self.owns_process_group = False  # a worker's own process group
+        # How rank 0 waits for its device work; a tensor-parallel executor watches its workers meanwhile.
+        self.device_wait: DeviceWait = torch.cuda.Event.synchronize
         self.model = None
         self.kv_cache = None
         self.attention_layers = []
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: CudaGraphs | None = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         try:
-            self._start_tensor_parallel(store_port)
             self._build()
         except BaseException:
-            # Leaves no worker process or process group behind; the workers are stopped at once (a
-            # graceful stop would wait for workers that are stuck in a collective with this rank).
-            if self.workers is not None:
-                self.workers.stop(graceful=False)
-                self.workers = None
             self.close()
             raise
-
-    def _start_tensor_parallel(self, store_port: int | None) -> None:
-        if self.tp_size == 1:
-            return
-        if self.rank == 0:
-            if self.device.type == "cuda" and torch.cuda.device_count() < self.tp_size:
-                raise ValueError(
-                    f"tensor_parallel_size={self.tp_size} needs one GPU per rank, but "
-                    f"{torch.cuda.device_count()} are visible"
-                )
-            self.workers = TensorParallelWorkers(self.config)
-            # The workers attach to the channel as soon as they have started: a worker that fails to
-            # start is reported here rather than after the rendezvous's timeout.
-            self.workers.wait_ready()
-            self.workers.init_process_group(self.device)
-        else:
-            init_process_group(connect_store(store_port, self.tp_size), self.rank, self.tp_size, self.device)
-            self.owns_process_group = True
 
     def _build(self) -> None:
         config = self.config
@@ -161,8 +117,6 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(config.seed)
 
         # Compiled fused ops go with CUDA graphs: enforce_eager turns both off (as in vLLM).
         self.compiled_ops = self.device.type == "cuda" and not config.enforce_eager
@@ -172,31 +126,28 @@ class ModelRunner:
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim  # this rank's share
         if self.device.type == "cuda":
-            self._warmup()
+            self._profile_peak_memory()
         self.num_kv_blocks = self._decide_num_kv_blocks()
         self._allocate_kv_cache()
+        self.input_batch = InputBatch(
+            config.max_num_seqs, config.max_blocks_per_seq, self.block_size, self.device
+        )
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
+        graph_sizes = cuda_graph_batch_sizes(config.max_num_seqs) if use_graphs else []
+        max_rows = max([config.max_num_seqs, *graph_sizes])
+        max_tokens = max(config.max_num_batched_tokens, max_rows)
+        width = self.input_batch.block_table.shape[1]
+        self.buffers = StepBuffers.allocate(max_tokens, max_rows, width, self.device)
         # Every rank captures the same graphs, so collectives inside them pair up on replay.
-        if self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton":
-            self._capture_cuda_graphs()
+        if use_graphs:
+            self.graphs = CudaGraphs(self.model, self.buffers, config.hf_config.hidden_size, self.dtype)
+            self.graphs.capture(graph_sizes, config.max_model_len)
 
     def close(self) -> None:
-        """Drops the graphs, stops the tensor-parallel workers (rank 0), leaves the process group, and
-        drops the KV pool and the model so their device memory can be reused. Idempotent."""
-        # Normally the graphs go first: they hold the communicator's captured collectives, and none may
-        # be running as it is freed. After a worker's death the work waiting for it may never finish, so
-        # nothing waits for it: the workers are stopped first (with a bounded abort under NCCL).
-        if self.workers is not None and not self.workers.healthy:
-            self.workers.stop()
-            self.workers = None
-        elif self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.graphs.clear()
-        if self.workers is not None:
-            self.workers.stop()
-            self.workers = None
-        if self.owns_process_group:
-            self.owns_process_group = False
-            destroy_process_group()
+        """Drops the graphs, the KV pool and the model so their device memory can be reused. Idempotent."""
+        if self.graphs is not None:
+            self.graphs.clear()
+            self.graphs = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = None
@@ -210,21 +161,31 @@ class ModelRunner:
         return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @torch.inference_mode()
-    def _warmup(self) -> None:
+    def _profile_peak_memory(self) -> None:
         """A worst-case prefill before the KV pool exists, so that the peak activation memory is known."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         cfg = self.config
         seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
-        # Rows without a block table: their K/V is not written (there is no cache yet).
-        params = SamplingParams()
-        rows = [ScheduledRow([0] * seq_len, 0, [], True, params) for _ in range(num_seqs)]
-        step = prepare_step(ModelInput(True, rows), self.block_size)
-        hidden = self._forward(step)
-        logits = self.model.compute_logits(hidden[self._to_device(step.sample_token_index)])
+        num_tokens = seq_len * num_seqs
+        device = self.device
+        # K/V is not written: there is no cache yet (attention runs over the batch's own tokens).
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            query_start_loc=torch.arange(0, num_tokens + 1, seq_len, dtype=torch.int32, device=device),
+            seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32, device=device),
+            num_decode_rows=0,
+            max_query_len=seq_len,
+            max_seq_len=seq_len,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.arange(seq_len, device=device).repeat(num_seqs)
+        hidden = self.model(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden[seq_len - 1 :: seq_len])
         if logits is not None:  # None on tensor-parallel workers: rank 0 samples
-            self.sampler.sample_tokens(logits, torch.ones(num_seqs, device=self.device), self.generator)
+            logits.float().log_softmax(dim=-1)
         torch.cuda.synchronize()
 
     def _decide_num_kv_blocks(self) -> int:
@@ -265,138 +226,161 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
-    # -- batch preparation -----------------------------------------------------------------------------
+    # -- a step ----------------------------------------------------------------------------------------
+
+    def prepare(self, out: SchedulerOutput) -> tuple[StepInputs, StepPlan]:
+        """Rank 0: the step's inputs (what every rank runs) and its row bookkeeping."""
+        return self.input_batch.prepare(out)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, step: StepInputs, plan: StepPlan) -> StepHandle:
+        """Rank 0: launches the step (forward, logits, sampling) and returns without waiting for it."""
+        hidden = self._forward(step)
+        prompt_chunk = None
+        if step.prompt_logprob_index is not None:
+            targets, num_top = self._prompt_logprob_targets(out, plan)
+            prompt_chunk = prompt_logprobs(
+                hidden, self._to_device(step.prompt_logprob_index), targets, num_top, self._compute_logits
+            )
+        if not len(step.logits_index):
+            handle = StepHandle(out, plan, None, None, None)
+            handle.prompt_logprobs = prompt_chunk
+            return handle
+        logits_index = self._to_device(step.logits_index)
+        logits = self._compute_logits(hidden[logits_index])
+        last_inputs = self.buffers.input_ids[logits_index]
+        metadata = self.input_batch.sampling_metadata(out, plan, last_inputs)
+        sampled, failed = self.sampler.sample_isolating_faults(logits, metadata)
+        batch = self.input_batch
+        # A failed row's token (-1) must not become the next step's input, which it still is (its
+        # request ends only when this step's result is read).
+        batch.previous_sampled = sampled.token_ids.clamp_min(0) if failed else sampled.token_ids
+        batch.previous_sample_row = {out.scheduled[i].request_id: j for j, i in enumerate(plan.sample_rows)}
+        handle = self._fetch(out, plan, sampled.token_ids)
+        handle.prompt_logprobs = prompt_chunk
+        handle.failed_rows = failed
+        if sampled.logprobs is not None:
+            handle.logprobs = sampled.logprobs
+            handle.logprob_rows = sampled.logprob_rows
+        return handle
+
+    @torch.inference_mode()
+    def execute_worker_step(self, step: StepInputs) -> None:
+        """A tensor-parallel worker's step: the same forward pass and logits as rank 0 (their collectives
+        pair up), no sampling."""
+        hidden = self._forward(step)
+        if step.prompt_logprob_index is not None:
+            prompt_logprobs(hidden, self._to_device(step.prompt_logprob_index), [], [], self._compute_logits)
+        if len(step.logits_index):
+            self._compute_logits(hidden[self._to_device(step.logits_index)])
+
+    def _fetch(self, out: SchedulerOutput, plan: StepPlan, tokens: torch.Tensor) -> StepHandle:
+        if self.device.type != "cuda":
+            return StepHandle(out, plan, tokens, None, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepHandle(out, plan, host, event, self.device_wait)
+
+    def _prompt_logprob_targets(self, out: SchedulerOutput, plan: StepPlan) -> tuple[list[int], list[int]]:
+        batch = self.input_batch
+        targets: list[int] = []
+        num_top: list[int] = []
+        for index, count in plan.prompt_logprob_rows:
+            row = out.scheduled[index]
+            targets += row.prompt_logprob_targets
+            num_top += [int(batch.num_prompt_logprobs[batch.slot_of[row.request_id]])] * count
+        return targets, num_top
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return self.input_batch.to_device(array)
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
-        """The model's hidden states for every token of the step (a decode step replays a CUDA graph)."""
-        to_device = self._to_device
-        input_ids, positions = to_device(step.input_ids), to_device(step.positions)
+        """The model's hidden states for every token of the step (a pure-decode step replays a graph)."""
+        b = self.buffers
+        num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
+        graph_bs = None
+        if self.graphs is not None and step.num_decode_rows == num_rows:
+            graph_bs = self.graphs.batch_size_for(num_rows)
+        padded_rows = graph_bs or num_rows
+        padded_tokens = graph_bs or num_tokens
+        staging = self._stage(step, padded_tokens, padded_rows)
+        batch = self.input_batch
+        if len(step.table_slots):
+            batch.block_table[staging["table_slots"], staging["table_cols"]] = staging["table_block_ids"]
+        b.block_tables[:padded_rows] = batch.block_table[staging["row_slots"]]
+        if len(step.pending_index):
+            if self.rank == 0:
+                b.input_ids[staging["pending_index"]] = batch.previous_sampled[staging["pending_source"]]
+            if self.tp_size > 1:
+                broadcast_from_rank0(b.input_ids[:num_tokens])
+        if graph_bs is not None:
+            return self.graphs.replay(graph_bs)[:num_rows]
+        num_decode = step.num_decode_rows
         meta = AttentionMetadata(
-            is_prefill=step.is_prefill,
-            slot_mapping=to_device(step.slot_mapping),
-            query_start_loc=to_device(step.query_start_loc),
-            seq_lens=to_device(step.seq_lens),
-            block_tables=to_device(step.block_tables),
+            slot_mapping=b.slot_mapping[:num_tokens],
+            query_start_loc=b.query_start_loc[: num_rows + 1],
+            seq_lens=b.seq_lens[:num_rows],
+            block_tables=b.block_tables[:num_rows],
+            num_decode_rows=num_decode,
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
         )
-        num_rows = len(step.seq_lens)
-        graph_bs = None if step.is_prefill else next((b for b in self.graphs if b >= num_rows), None)
-        if graph_bs is not None:
-            return self._replay_graph(graph_bs, input_ids, positions, meta)
-        return self.model(input_ids, positions, meta)
+        if 0 < num_decode < num_rows:
+            meta.prefill_query_start_loc = staging["prefill_query_start_loc"]
+        return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], meta)
 
-    # -- execution -------------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> SamplerOutput:
-        """Runs one batch on rank 0; returns one sampled token per row with ``sample`` set, in row order.
-        The tensor-parallel workers are handed the step's inputs first (see :meth:`execute_step`)."""
-        step = prepare_step(batch, self.block_size)
-        if self.workers is None:
-            return self._run(step, batch.rows)
-        with self.workers.running_step():
-            self.workers.send(step)
-            return self._run(step, batch.rows)
-
-    @torch.inference_mode()
-    def execute_step(self, step: StepInputs) -> None:
-        """A tensor-parallel worker's step: the same forward pass and logits as rank 0 (their collectives
-        pair up), no sampling."""
-        self._run(step, None)
-
-    def _run(self, step: StepInputs, rows: list[ScheduledRow] | None) -> SamplerOutput | None:
-        # Every copy to the device before the forward pass: a copy from pageable host memory first waits
-        # for the stream, which under tensor parallelism holds collectives that a dead rank never ends.
-        prompt_index = sample_index = None
-        if step.prompt_logprob_token_index is not None:
-            prompt_index = self._to_device(step.prompt_logprob_token_index)
-        if len(step.sample_token_index):
-            sample_index = self._to_device(step.sample_token_index)
-        hidden = self._forward(step)
-        # Logits (of prompt positions, then of sampled rows) are collectives under tensor parallelism:
-        # every rank computes them; they are None on the workers.
-        prompt_logprobs = None
-        if prompt_index is not None:
-            prompt_logprobs = self.sampler.prompt_logprobs(hidden, prompt_index, self._compute_logits, rows)
-        logits = None
-        if sample_index is not None:
-            logits = self._compute_logits(hidden[sample_index])
-        if rows is None:
-            return None
-        return self.sampler.sample_isolating_faults(
-            logits, [r for r in rows if r.sample], self.generator, prompt_logprobs
-        )
+    def _stage(self, step: StepInputs, padded_tokens: int, padded_rows: int) -> dict[str, torch.Tensor]:
+        """Copies the step's host arrays into the persistent device buffers (one host-to-device copy of a
+        packed int64 array); graph padding rows write nothing and have no context. Returns the device
+        views of the index arrays."""
+        num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
+        num_decode = step.num_decode_rows
+        parts = {
+            "input_ids": (step.input_ids, padded_tokens, 0),
+            "positions": (step.positions, padded_tokens, 0),
+            "slot_mapping": (step.slot_mapping, padded_tokens, -1),
+            "query_start_loc": (step.query_start_loc, padded_rows + 1, num_tokens),
+            "seq_lens": (step.seq_lens, padded_rows, 0),
+            "row_slots": (step.row_slots, padded_rows, 0),
+            "table_slots": (step.table_slots, len(step.table_slots), 0),
+            "table_cols": (step.table_cols, len(step.table_cols), 0),
+            "table_block_ids": (step.table_block_ids, len(step.table_block_ids), 0),
+            "pending_index": (step.pending_index, len(step.pending_index), 0),
+            "pending_source": (step.pending_source, len(step.pending_source), 0),
+        }
+        if 0 < num_decode < num_rows:
+            prefill_starts = step.query_start_loc[num_decode:] - num_decode
+            parts["prefill_query_start_loc"] = (prefill_starts, len(prefill_starts), 0)
+        total = sum(size for _, size, _ in parts.values())
+        host = torch.empty(total, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host_array = host.numpy()
+        views = {}
+        offset = 0
+        for name, (array, size, pad) in parts.items():
+            n = len(array)
+            host_array[offset : offset + n] = array
+            host_array[offset + n : offset + size] = pad
+            views[name] = (offset, size)
+            offset += size
+        device = host.to(self.device, non_blocking=True)
+        b = self.buffers
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
+            start, size = views.pop(name)
+            getattr(b, name)[:size].copy_(device[start : start + size], non_blocking=True)
+        staged = {name: device[start : start + size] for name, (start, size) in views.items()}
+        for name in ("table_block_ids", "prefill_query_start_loc"):
+            if name in staged:
+                staged[name] = staged[name].to(torch.int32)
+        return staged
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.model.compute_logits(hidden)
-        if self.workers is not None and self.device.type == "cuda":
-            # The sampler reads the logits back, which blocks in CUDA until every collective before
-            # them has finished: a dead worker must raise an error instead.
+        if self.tp_size > 1 and self.rank == 0 and self.device.type == "cuda":
+            # The sampler may read device values back, which blocks in CUDA until every collective
+            # before them has finished: a dead worker must raise an error instead.
             event = torch.cuda.Event()
             event.record()
-            self.workers.wait_for_device(event)
+            self.device_wait(event)
         return logits
-
-    # -- CUDA graphs -----------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def _capture_cuda_graphs(self) -> None:
-        cfg = self.config
-        sizes = cuda_graph_batch_sizes(cfg.max_num_seqs)
-        max_bs = sizes[-1]
-        dev = self.device
-        hidden_size = cfg.hf_config.hidden_size
-        self.graph_inputs = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            # One column beyond max_model_len's blocks: decode can need a block a prompt-sized table lacks.
-            "block_tables": torch.zeros(max_bs, cfg.max_blocks_per_seq + 1, dtype=torch.int32, device=dev),
-            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            "hidden": torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=dev),
-        }
-        pool = None
-        g = self.graph_inputs
-        for bs in reversed(sizes):  # largest first so smaller graphs fit in its memory pool
-            graph = torch.cuda.CUDAGraph()
-            meta = self._graph_metadata(bs)
-            # One eager run first: lazy initialisation (kernel compilation) must not be captured.
-            g["hidden"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph, pool):
-                g["hidden"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-        self.graphs = dict(sorted(self.graphs.items()))
-
-    def _graph_metadata(self, bs: int) -> AttentionMetadata:
-        g = self.graph_inputs
-        return AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=g["slot_mapping"][:bs],
-            query_start_loc=g["query_start_loc"][: bs + 1],
-            seq_lens=g["seq_lens"][:bs],
-            block_tables=g["block_tables"][:bs],
-            max_query_len=1,
-            max_seq_len=self.config.max_model_len,
-        )
-
-    def _replay_graph(self, graph_bs, input_ids, positions, meta) -> torch.Tensor:
-        g = self.graph_inputs
-        n = input_ids.size(0)
-        g["input_ids"][:n] = input_ids
-        g["positions"][:n] = positions
-        g["slot_mapping"].fill_(-1)
-        g["slot_mapping"][:n] = meta.slot_mapping
-        g["seq_lens"].zero_()
-        g["seq_lens"][:n] = meta.seq_lens
-        width = meta.block_tables.size(1)
-        g["block_tables"][:n, :width] = meta.block_tables
-        self.graphs[graph_bs].replay()
-        return g["hidden"][:n]

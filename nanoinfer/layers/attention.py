@@ -14,15 +14,21 @@ from nanoinfer.kernels.attention_ref import paged_attention_ref, store_kvcache_r
 @dataclass
 class AttentionMetadata:
     """Where this batch's tokens sit in the paged KV cache. Built by the model runner for each forward
-    pass and handed explicitly to every attention layer (no global context)."""
+    pass and handed explicitly to every attention layer (no global context).
 
-    is_prefill: bool
+    A batch may mix rows of one query token (decoding; they come first) and longer rows (prompt chunks):
+    the backend sends the first ``num_decode_rows`` rows to its decode kernel and the rest to its prefill
+    kernel, in the same forward pass."""
+
     slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = padding row, writes nothing
     query_start_loc: torch.Tensor  # [batch + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [batch] int32, context length including this step's tokens
     block_tables: torch.Tensor  # [batch, max_blocks] int32
+    num_decode_rows: int
     max_query_len: int
     max_seq_len: int
+    # query_start_loc of the rows after the decode rows, from 0 (what the prefill kernel takes).
+    prefill_query_start_loc: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
@@ -65,7 +71,12 @@ class TritonAttentionBackend(AttentionBackend):
         self.kernels.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, query, k_cache, v_cache, meta, scale):
-        if meta.is_prefill:
+        num_decode = meta.num_decode_rows
+        if num_decode == len(meta.seq_lens):
+            return self.kernels.paged_decode_attention(
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+            )
+        if num_decode == 0:
             return self.kernels.paged_prefill_attention(
                 query,
                 k_cache,
@@ -76,9 +87,29 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_query_len,
                 scale,
             )
-        return self.kernels.paged_decode_attention(
-            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+        out = torch.empty_like(query)
+        # Decode rows have one query token each, so the prefill rows' tokens start at num_decode.
+        self.kernels.paged_decode_attention(
+            query[:num_decode],
+            k_cache,
+            v_cache,
+            meta.block_tables[:num_decode],
+            meta.seq_lens[:num_decode],
+            scale,
+            out=out[:num_decode],
         )
+        self.kernels.paged_prefill_attention(
+            query[num_decode:],
+            k_cache,
+            v_cache,
+            meta.prefill_query_start_loc,
+            meta.seq_lens[num_decode:],
+            meta.block_tables[num_decode:],
+            meta.max_query_len,
+            scale,
+            out=out[num_decode:],
+        )
+        return out
 
 
 def create_attention_backend(name: str) -> AttentionBackend:

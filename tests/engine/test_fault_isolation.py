@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-import nanoinfer.layers.sampler as sampler_module
+import nanoinfer.sample.sampler as sampler_module
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.llm_engine import LLMEngine
+from nanoinfer.frontend.output_processor import OutputProcessor
 
 # (field, value): each must raise ValueError naming the field, or complete a generation.
 EXTREMES = [
@@ -62,7 +62,10 @@ def _prompt(length, seed=0):
 
 def _all_free(llm):
     stats = llm.engine_stats()
-    return stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"] and not llm.llm_engine.requests
+    return (
+        stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+        and not llm.llm_engine.has_unfinished_requests()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +141,14 @@ def test_a_request_whose_post_processing_raises_fails_alone(llm, monkeypatch):
     good = _greedy(max_tokens=10, stop=["never-occurs"])
     expected = llm.generate([prompts[0], prompts[2]], good, use_tqdm=False)
 
-    real = LLMEngine._match_stop_string
+    real = OutputProcessor._match_stop_string
 
     def failing_match(completion, text, params):
         if "BOOM" in params.stop:
             raise UnicodeError("simulated fault in one request's stop-string search")
         return real(completion, text, params)
 
-    monkeypatch.setattr(LLMEngine, "_match_stop_string", staticmethod(failing_match))
+    monkeypatch.setattr(OutputProcessor, "_match_stop_string", staticmethod(failing_match))
     bad = _greedy(max_tokens=10, stop=["BOOM"], n=3)
     outputs = llm.generate(prompts, [good, bad, good], use_tqdm=False)
     assert "simulated fault" in outputs[1].error
@@ -160,7 +163,7 @@ def test_a_fault_that_no_request_causes_still_raises(llm, monkeypatch):
         raise RuntimeError("simulated device failure")
 
     engine = llm.llm_engine
-    monkeypatch.setattr(engine.model_runner, "_forward", broken_model)
+    monkeypatch.setattr(engine.engine_core.executor.runner, "_forward", broken_model)
     with pytest.raises(RuntimeError, match="simulated device failure"):
         llm.generate([_prompt(5)], _greedy(), use_tqdm=False)
     monkeypatch.undo()

@@ -17,7 +17,10 @@ def _prompt(length, seed=0):
 
 def _all_free(llm):
     stats = llm.engine_stats()
-    return stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"] and not llm.llm_engine.requests
+    return (
+        stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+        and not llm.llm_engine.has_unfinished_requests()
+    )
 
 
 def _generate(llm, prompts, params):
@@ -196,7 +199,7 @@ def test_eos_and_min_tokens(tiny_qwen3):
     prompt = _prompt(10, seed=10)
     tokens = _greedy_reference(llm, prompt, max_tokens=8).token_ids
     eos = tokens[2]
-    llm.llm_engine.eos_token_ids = {eos}  # as if the model's EOS were the third greedy token
+    llm.llm_engine.input_processor.eos_token_ids = (eos,)  # as if the model's EOS were the third greedy token
     out = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
     assert out.token_ids == tokens[:3] and (out.finish_reason, out.stop_reason) == ("stop", None)
     held = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5))[0].outputs[0]
@@ -216,7 +219,7 @@ def test_max_tokens_none_runs_to_max_model_len(tiny_qwen3):
 def test_skip_special_tokens_reaches_the_detokenizer(llm):
     engine = llm.llm_engine
     engine.add_request("special", [5, 6], SamplingParams(skip_special_tokens=False, max_tokens=1))
-    detokenizer = engine.requests["special"].completions[0].detokenizer
+    detokenizer = engine.output_processor.requests["special"].completions[0].detokenizer
     assert detokenizer.skip_special_tokens is False
     while engine.has_unfinished_requests():
         engine.step()

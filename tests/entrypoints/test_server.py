@@ -19,14 +19,14 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoinfer import SamplingParams
-from nanoinfer.engine.async_engine import AsyncLLM
-from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.entrypoints import cli_serve
 from nanoinfer.entrypoints import openai_protocol as protocol
 from nanoinfer.entrypoints.engine_args import engine_kwargs_from_args
 from nanoinfer.entrypoints.http_limits import ServerLimits
 from nanoinfer.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from nanoinfer.entrypoints.server import OpenAIServer
+from nanoinfer.frontend.async_llm import AsyncLLM
+from nanoinfer.frontend.llm_engine import LLMEngine
 from nanoinfer.metrics import ServingMetrics
 
 API_KEY = "test-key"

@@ -289,11 +289,11 @@ _CRASHING_LAUNCHER = textwrap.dedent(
     real = ModelRunner.execute
     calls = []
 
-    def execute(self, batch):
+    def execute(self, *args):
         calls.append(1)
         if len(calls) > 12:  # after a few steps: a fault no request caused (a device error, say)
             raise RuntimeError("simulated device failure")
-        return real(self, batch)
+        return real(self, *args)
 
     ModelRunner.execute = execute
     sys.exit(main(sys.argv[1:]))

@@ -21,7 +21,7 @@ import torch
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.distributed import check_tensor_parallel_size
-from nanoinfer.executor.shm_channel import NAME_PREFIX
+from nanoinfer.executor.tp.channel import NAME_PREFIX
 from tests.fixtures import build_model
 from tests.reference import assert_greedy_match, hf_greedy, load_hf_model
 
@@ -35,7 +35,7 @@ def _prompts(lengths, seed, vocab=380):
 
 
 def _workers(llm: LLM) -> list:
-    return list(llm.llm_engine.model_runner.workers.processes)
+    return list(llm.llm_engine.engine_core.executor.workers.processes)
 
 
 def _running(pid: int) -> bool:
@@ -197,7 +197,7 @@ from nanoinfer import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], tensor_parallel_size=2)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    workers = llm.llm_engine.model_runner.workers.processes
+    workers = llm.llm_engine.engine_core.executor.workers.processes
     print(os.getpid(), " ".join(str(p.pid) for p in workers), flush=True)
 {ending}
 """
@@ -250,7 +250,7 @@ def test_worker_exits_when_rank0_is_killed(tiny_qwen3, tmp_path):
 def test_killed_idle_worker_raises_instead_of_hanging(tiny_qwen3):
     with _hang_guard(90):
         llm = LLM(tiny_qwen3, tensor_parallel_size=2)
-        workers = llm.llm_engine.model_runner.workers
+        workers = llm.llm_engine.engine_core.executor.workers
         (worker,) = _workers(llm)
         workers.wait_for_device(_Event(done=True))  # healthy workers, finished work: returns
         os.kill(worker.pid, signal.SIGKILL)
@@ -272,7 +272,7 @@ def test_killed_idle_worker_raises_instead_of_hanging(tiny_qwen3):
 def test_nccl_watchdog_ends_the_process_when_rank0_stays_stuck(tiny_qwen3, monkeypatch):
     """The watchdog's last resort, run on gloo with the abort and the exit stubbed: a worker dies while
     rank 0 is inside a step and stays there (as when blocked inside NCCL)."""
-    import nanoinfer.executor.tp_worker as tp_worker
+    import nanoinfer.executor.tp.workers as tp_worker
 
     aborts, exits = [], []
     monkeypatch.setattr(tp_worker, "start_abort", lambda: aborts.append(time.monotonic()))
@@ -280,7 +280,7 @@ def test_nccl_watchdog_ends_the_process_when_rank0_stays_stuck(tiny_qwen3, monke
     monkeypatch.setattr(tp_worker.os, "_exit", lambda status: exits.append((status, time.monotonic())))
     with _hang_guard(90):
         llm = LLM(tiny_qwen3, tensor_parallel_size=2)
-        workers = llm.llm_engine.model_runner.workers
+        workers = llm.llm_engine.engine_core.executor.workers
         (worker,) = _workers(llm)
         workers._start_nccl_watchdog()
         with workers.running_step():

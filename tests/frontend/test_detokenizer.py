@@ -1,4 +1,4 @@
-from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.frontend.detokenizer import IncrementalDetokenizer
 from tests.fixtures import build_tokenizer
 
 TEXT = "Prefix caching 你好，世界！ 🚀🔥 café naïve — done."

@@ -1,23 +1,26 @@
-"""AsyncLLM: streaming deltas, continuous batching across arrivals, aborts that free KV blocks wherever
-the request is, per-request failures, engine-loop crashes, idling without spinning, shutdown."""
+"""AsyncLLM: DELTA and CUMULATIVE streams, continuous batching across arrivals, aborts that free KV
+blocks wherever the request is, per-request failures, engine-loop crashes, idling without spinning,
+shutdown."""
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 
 import pytest
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.async_engine import AsyncLLM, EngineDeadError
-from nanoinfer.engine.llm_engine import LLMEngine
+from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError
+from nanoinfer.frontend.llm_engine import LLMEngine
+from nanoinfer.sampling_params import RequestOutputKind
 
 ENGINE_KWARGS = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 64}
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "What is the capital of France?"]
 
 
-def greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+def greedy(max_tokens: int, ignore_eos: bool = True, kind=RequestOutputKind.CUMULATIVE) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, output_kind=kind)
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +74,26 @@ class Pause:
         assert await asyncio.to_thread(self.paused.wait, 10), "the engine never reached the paused state"
 
 
-def test_stream_deltas_add_up_and_match_offline(tiny_qwen3, reference):
+def test_delta_and_cumulative_streams_match_offline(tiny_qwen3, reference):
     llm = make_async_llm(tiny_qwen3)
 
     async def main():
         for i, prompt in enumerate(PROMPTS):
             text, ids, steps = "", [], 0
-            async for out in llm.generate(prompt, greedy(12), f"r{i}"):
+            async for out in llm.generate(prompt, greedy(12, kind=RequestOutputKind.DELTA), f"d{i}"):
                 c = out.outputs[0]
-                text += c.text_delta
-                ids += c.token_ids_delta
-                assert c.text == text and c.token_ids == ids
+                text += c.text
+                ids += c.token_ids
                 steps += 1
             assert out.finished and c.finish_reason == "length"
             assert ids == reference[prompt].token_ids and text == reference[prompt].text
             assert steps >= 2
+            previous = []
+            async for out in llm.generate(prompt, greedy(12), f"c{i}"):
+                c = out.outputs[0]
+                assert c.token_ids[: len(previous)] == previous and len(c.token_ids) > len(previous)
+                previous = c.token_ids
+            assert c.token_ids == reference[prompt].token_ids and c.text == reference[prompt].text
         assert all_free(await llm.get_stats())
 
     try:
@@ -96,36 +104,38 @@ def test_stream_deltas_add_up_and_match_offline(tiny_qwen3, reference):
 
 def test_n_completions_logprobs_and_stops_match_offline(tiny_qwen3):
     # Stop strings that this seed's completions contain (checked below), so that they cut the text.
-    params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=10, logprobs=2, stop=["al", "of"])
+    params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=10, logprobs=2, stop=["j", "do"])
     with LLM(tiny_qwen3, **ENGINE_KWARGS) as offline:
         expected = offline.generate([PROMPTS[0]], params, use_tqdm=False)[0]
     llm = make_async_llm(tiny_qwen3)
 
     async def main():
-        texts, token_ids = {0: "", 1: ""}, {0: [], 1: []}
-        async for out in llm.generate(PROMPTS[0], params, "n2"):
+        texts, token_ids, logprobs, last = {0: "", 1: ""}, {0: [], 1: []}, {0: [], 1: []}, {}
+        delta = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        async for out in llm.generate(PROMPTS[0], delta, "n2"):
             for c in out.outputs:
-                texts[c.index] += c.text_delta
-                token_ids[c.index] += c.token_ids_delta
-        return out, texts, token_ids
+                texts[c.index] += c.text
+                token_ids[c.index] += c.token_ids
+                logprobs[c.index] += c.logprobs
+                last[c.index] = c
+        return out, texts, token_ids, logprobs, last
 
     try:
-        final, texts, token_ids = asyncio.run(main())
+        final, texts, token_ids, logprobs, last = asyncio.run(main())
     finally:
         llm.shutdown()
-    assert final.finished and [c.index for c in final.outputs] == [0, 1]
-    assert any(c.stop_reason in ("al", "of") for c in final.outputs)  # a stop string did cut something
-    for got, want in zip(final.outputs, expected.outputs, strict=True):
-        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+    assert final.finished
+    assert all(c.stop_reason in ("j", "do") for c in expected.outputs)  # a stop string did cut something
+    for want in expected.outputs:
+        i = want.index
+        assert (texts[i], token_ids[i], last[i].finish_reason, last[i].stop_reason) == (
             want.text,
             want.token_ids,
             want.finish_reason,
             want.stop_reason,
         )
-        assert got.logprobs == want.logprobs and got.cumulative_logprob == pytest.approx(
-            want.cumulative_logprob
-        )
-        assert texts[got.index] == got.text and token_ids[got.index] == got.token_ids
+        assert logprobs[i] == want.logprobs
+        assert last[i].cumulative_logprob == pytest.approx(want.cumulative_logprob)
 
 
 def test_requests_join_a_running_batch(tiny_qwen3, reference):

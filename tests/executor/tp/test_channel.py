@@ -9,14 +9,15 @@ import threading
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
+import torch
 
-from nanoinfer.executor.batch import ModelInput, ScheduledRow
-from nanoinfer.executor.model_runner import prepare_step
-from nanoinfer.executor.shm_channel import ChannelReader, ChannelWriter
-from nanoinfer.executor.tp_worker import max_message_bytes
+from nanoinfer.engine.scheduler import SchedulerOutput
+from nanoinfer.executor.input_batch import InputBatch
+from nanoinfer.executor.tp.channel import ChannelReader, ChannelWriter
+from nanoinfer.executor.tp.workers import max_message_bytes
 from nanoinfer.sampling_params import SamplingParams
+from tests.executor.test_input_batch import new_request, row
 
 
 def _always_alive() -> None:
@@ -150,7 +151,7 @@ def _process_reader(handle, results) -> None:
         ok, batch = reader.recv(parent.is_alive)
         if not ok or batch is None:
             break
-        total += int(batch.input_ids.sum() + batch.block_tables.sum())
+        total += int(batch.input_ids.sum() + batch.table_block_ids.sum())
     reader.close()
     results.put(total)
 
@@ -166,13 +167,19 @@ def test_across_processes_with_step_inputs():
         if process.exitcode is not None:
             raise RuntimeError("reader exited")
 
-    params = SamplingParams()
+    batch = InputBatch(max_num_seqs=4, max_blocks_per_seq=64, block_size=16, device=torch.device("cpu"))
     try:
         expected = 0
         for step in range(50):
-            row = ScheduledRow([step, 1], 16 * step, list(range(step + 1)) + [step], True, params)
-            writer.send(prepare_step(ModelInput(step % 2 == 0, [row]), 16), check_alive, 30)
-            expected += step + (1 if step % 2 == 0 else 0) + sum(range(step + 1)) + step
+            request_id = f"r{step}"
+            out = SchedulerOutput(
+                scheduled=[row(request_id, 16 * step, [step, 1], [step])],
+                new_requests={request_id: new_request(request_id, [step])},
+                finished_request_ids=[f"r{step - 1}"] if step else [],
+            )
+            inputs, _ = batch.prepare(out)
+            writer.send(inputs, check_alive, 30)
+            expected += int(inputs.input_ids.sum()) + int(inputs.table_block_ids.sum())
         writer.send(None, check_alive, 30)
         process.join(30)
         assert process.exitcode == 0 and results.get() == expected
@@ -181,30 +188,6 @@ def test_across_processes_with_step_inputs():
             process.kill()
         writer.close()
     assert not _segment_exists(writer.name)
-
-
-def test_step_inputs_hold_the_rows_as_arrays_without_sampling_parameters():
-    params = SamplingParams(temperature=0.5, max_tokens=3, prompt_logprobs=1)
-    rows = [
-        ScheduledRow([5, 6, 7], 0, [3], False, params, prompt_logprob_targets=[6, 7, 8]),
-        ScheduledRow([9, 10], 39, [3, 4, 8], True, params),
-    ]
-    step = prepare_step(ModelInput(True, rows), 16)
-    np.testing.assert_array_equal(step.input_ids, [5, 6, 7, 9, 10])
-    np.testing.assert_array_equal(step.positions, [0, 1, 2, 39, 40])
-    np.testing.assert_array_equal(step.slot_mapping, [48, 49, 50, 8 * 16 + 7, 8 * 16 + 8])
-    np.testing.assert_array_equal(step.query_start_loc, [0, 3, 5])
-    np.testing.assert_array_equal(step.seq_lens, [3, 41])
-    np.testing.assert_array_equal(step.block_tables, [[3, 0, 0], [3, 4, 8]])
-    assert (step.max_query_len, step.max_seq_len) == (3, 41)
-    np.testing.assert_array_equal(step.sample_token_index, [4])  # the second row's last token
-    np.testing.assert_array_equal(step.prompt_logprob_token_index, [0, 1, 2])
-    assert b"SamplingParams" not in pickle.dumps(step)
-
-    decode = prepare_step(ModelInput(False, [ScheduledRow([11], 40, [3, 4, 8], True, params)]), 16)
-    np.testing.assert_array_equal(decode.positions, [40])
-    np.testing.assert_array_equal(decode.slot_mapping, [8 * 16 + 8])
-    assert decode.prompt_logprob_token_index is None
 
 
 @pytest.mark.parametrize(
@@ -221,10 +204,16 @@ def test_size_bound_covers_the_largest_batch(seqs, budget, max_model_len, block_
     tokens = max(budget, seqs)
     per_row = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
     params = SamplingParams(prompt_logprobs=1)
-    rows = [
-        ScheduledRow([7] * n, 0, list(range(width)), True, params, prompt_logprob_targets=[7] * n)
-        for n in per_row
-    ]  # full-width block tables, and prompt logprobs at every token
-    step = prepare_step(ModelInput(True, rows), block_size)
+    batch = InputBatch(seqs, cfg.max_blocks_per_seq, block_size, torch.device("cpu"))
+    ids = [f"r{i}" for i in range(seqs)]
+    # Every row new, with a full-width block table sent whole, and prompt logprobs at every token.
+    out = SchedulerOutput(
+        scheduled=[
+            row(rid, 0, [7] * n, list(range(width)), prompt_logprob_targets=[7] * n)
+            for rid, n in zip(ids, per_row, strict=True)
+        ],
+        new_requests={rid: new_request(rid, list(range(width)), params) for rid in ids},
+    )
+    step, _ = batch.prepare(out)
     size = len(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
     assert size <= max_message_bytes(cfg)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.frontend.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! Paged attention keeps the KV cache in fixed-size blocks.",

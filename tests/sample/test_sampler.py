@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from nanoinfer.executor.batch import ScheduledRow
-from nanoinfer.layers.sampler import Sampler, apply_penalties, apply_top_k_top_p
+import nanoinfer.sample.sampler as sampler_module
+from nanoinfer.sample.metadata import SamplingMetadata
+from nanoinfer.sample.sampler import Sampler, apply_penalties, apply_top_k_top_p
 from nanoinfer.sampling_params import SamplingParams
 
 VOCAB = 10
@@ -15,8 +16,10 @@ VOCAB = 10
 BASE_LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.7, 0.2, -0.5, -1.0, -2.0, -3.0])
 
 
-def _row(params, seed=None, num_output_tokens=0, **extra):
-    return ScheduledRow([0], 0, [], True, params, seed=seed, num_output_tokens=num_output_tokens, **extra)
+def _metadata(params, seeds=None, offsets=None, **extra):
+    seeds = seeds if seeds is not None else list(range(len(params)))
+    offsets = offsets if offsets is not None else [0] * len(params)
+    return SamplingMetadata.from_params(params, seeds, offsets, **extra)
 
 
 def reference_distribution(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
@@ -48,16 +51,17 @@ def reference_distribution(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return out / out.sum()
 
 
-def _frequencies(sampler, logits_row, params, draws, seed=0, extra_rows=()):
-    """Samples ``draws`` tokens for ``params`` in batches that also hold ``extra_rows`` (other params)."""
-    generator = torch.Generator().manual_seed(seed)
+def _frequencies(sampler, logits_row, params, draws, extra_params=()):
+    """Samples ``draws`` tokens for ``params`` in batches that also hold rows with ``extra_params``;
+    every row has its own seed, and each batch is another step (noise offset)."""
     per_batch = 2000
     counts = np.zeros(VOCAB)
-    for _ in range(draws // per_batch):
-        rows = [_row(params)] * per_batch + list(extra_rows)
-        logits = logits_row.expand(len(rows), VOCAB).clone()
-        tokens = sampler(logits, rows, generator).token_ids[:per_batch]
-        counts += np.bincount(tokens, minlength=VOCAB)
+    for step in range(draws // per_batch):
+        params_list = [params] * per_batch + list(extra_params)
+        logits = logits_row.expand(len(params_list), VOCAB).clone()
+        metadata = _metadata(params_list, offsets=[step] * len(params_list))
+        tokens = sampler(logits, metadata).token_ids[:per_batch]
+        counts += np.bincount(tokens.numpy(), minlength=VOCAB)
     return counts / counts.sum()
 
 
@@ -82,8 +86,8 @@ CASES = [
 def test_sampled_frequencies_match_the_filtered_distribution(params):
     sampler = Sampler()
     # Other rows with other settings share every batch: per-row parameters must not leak.
-    others = [_row(SamplingParams(temperature=0.3, top_k=2)), _row(SamplingParams(temperature=0.0))]
-    freq = _frequencies(sampler, BASE_LOGITS, params, draws=20000, extra_rows=others)
+    others = [SamplingParams(temperature=0.3, top_k=2), SamplingParams(temperature=0.0)]
+    freq = _frequencies(sampler, BASE_LOGITS, params, draws=20000, extra_params=others)
     ref = reference_distribution(BASE_LOGITS.numpy(), params)
     assert 0.5 * np.abs(freq - ref).sum() < 0.02, (freq.round(3), ref.round(3))
     assert freq[ref == 0].sum() == 0, "a filtered-out token was sampled"
@@ -136,23 +140,26 @@ def test_top_k_top_p_over_a_large_vocabulary(settings, wide_row):
         assert torch.isfinite(filtered[wide_row]).sum() > 4096
 
 
+def _penalty_history(logits_row):
+    """A history in which the row's current favourite was already generated once."""
+    return np.array([int(logits_row.argmax())], dtype=np.int64)
+
+
 def test_greedy_rows_take_the_argmax_of_the_processed_logits():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
-    plain = [_row(SamplingParams(temperature=0.0)) for _ in range(2)]
-    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.5)
-    penalized = [_row(params, **_penalty_fields(logits[i])) for i in (2, 3)]
-    tokens = Sampler()(logits.clone(), plain + penalized).token_ids
+    plain = SamplingParams(temperature=0.0)
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.5)
+    empty = np.zeros(0, dtype=np.int64)
+    metadata = _metadata(
+        [plain, plain, penalized, penalized],
+        output_token_ids=[empty, empty, _penalty_history(logits[2]), _penalty_history(logits[3])],
+    )
+    tokens = Sampler()(logits.clone(), metadata).token_ids.tolist()
     assert tokens[:2] == logits[:2].argmax(-1).tolist()
     for i in (2, 3):
         top = int(logits[i].argmax())
         expected = reference_penalties(logits[i].numpy(), [], [top], 2.0, 0.0, 1.5).argmax()
         assert tokens[i] == expected != top, "penalties apply to greedy rows too"
-
-
-def _penalty_fields(logits_row):
-    """Penalty history in which the row's current favourite was already generated once."""
-    top = int(logits_row.argmax())
-    return {"penalty_output_ids": np.array([top]), "penalty_prompt_ids": np.array([], dtype=np.int64)}
 
 
 # -- penalties -------------------------------------------------------------------------------------------
@@ -174,112 +181,141 @@ def test_penalties_match_the_reference():
     rng = np.random.default_rng(0)
     vocab, batch = 40, 12
     logits = torch.from_numpy(rng.normal(size=(batch, vocab)).astype(np.float32))
-    rows, expected = [], []
-    penalized = [i for i in range(batch) if i % 4 != 3]  # every 4th row has no penalties
+    params, prompts, outputs, expected = [], [], [], []
     for i in range(batch):
         prompt = rng.integers(0, vocab, size=rng.integers(1, 15)).tolist()
         output = rng.integers(0, vocab, size=rng.integers(0, 20)).tolist()
-        rep, freq, pres = (1.0, 0.0, 0.0) if i not in penalized else rng.uniform([0.5, -2, -2], [2.0, 2, 2])
-        params = SamplingParams(
-            repetition_penalty=float(rep), frequency_penalty=float(freq), presence_penalty=float(pres)
-        )
-        rows.append(
-            _row(
-                params,
-                penalty_prompt_ids=np.unique(prompt),
-                penalty_output_ids=np.array(output, dtype=np.int64),
+        # Every 4th row has no penalties.
+        rep, freq, pres = (1.0, 0.0, 0.0) if i % 4 == 3 else rng.uniform([0.5, -2, -2], [2.0, 2, 2])
+        params.append(
+            SamplingParams(
+                repetition_penalty=float(rep), frequency_penalty=float(freq), presence_penalty=float(pres)
             )
         )
+        prompts.append(np.unique(prompt))
+        outputs.append(np.array(output, dtype=np.int64))
         expected.append(reference_penalties(logits[i].numpy(), prompt, output, rep, freq, pres))
+    metadata = _metadata(params, output_token_ids=outputs, prompt_token_ids=prompts)
     got = logits.clone()
-    apply_penalties(got, [rows[i] for i in penalized], penalized)
+    apply_penalties(got, metadata.penalties)
     np.testing.assert_allclose(got.numpy(), np.stack(expected), rtol=1e-5, atol=1e-5)
     assert not np.allclose(got.numpy(), logits.numpy())
 
 
+def test_a_pending_token_counts_like_a_known_one():
+    # Async scheduling: the last generated token may still be on the device.
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5], [1.0, -1.0, 2.0, 0.5]])
+    params = [SamplingParams(frequency_penalty=0.5)] * 2
+    known = _metadata(params, output_token_ids=[np.array([0, 0, 1]), np.array([0, 0, 1])])
+    pending = _metadata(params, output_token_ids=[np.array([0, 1]), np.array([0, 0, 1])])
+    pending.penalties.pending_token_ids = torch.tensor([0, -1])
+    a, b = logits.clone(), logits.clone()
+    apply_penalties(a, known.penalties)
+    apply_penalties(b, pending.penalties)
+    assert a.tolist() == b.tolist() == [[0.0, -1.5, 2.0, 0.5]] * 2
+
+
 def test_only_one_penalty_kind():
     logits = torch.tensor([[1.0, -1.0, 2.0, 0.5]])
-    params = SamplingParams(frequency_penalty=0.5)
-    row = _row(params, penalty_prompt_ids=None, penalty_output_ids=np.array([0, 0, 1]))
-    apply_penalties(logits, [row], [0])
+    metadata = _metadata([SamplingParams(frequency_penalty=0.5)], output_token_ids=[np.array([0, 0, 1])])
+    apply_penalties(logits, metadata.penalties)
     assert logits.tolist() == [[0.0, -1.5, 2.0, 0.5]]
 
 
 # -- seeds, min_tokens, logprobs ------------------------------------------------------------------------
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+def test_rows_draw_their_own_noise_whatever_else_is_batched():
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(2))
-    params = SamplingParams(temperature=1.0, seed=7)
+    params = SamplingParams(temperature=1.0)
     sampler = Sampler()
 
-    def draw(batch_rows, step):
-        rows = [_row(params, seed=7, num_output_tokens=step)] + batch_rows
-        batch_logits = torch.cat([logits, torch.randn(len(batch_rows), 1000)])
-        return sampler(batch_logits, rows, torch.Generator().manual_seed(step + 100)).token_ids[0]
+    def draw(other_rows, step, seed=7):
+        batch_params = [params] + [SamplingParams(temperature=0.7)] * other_rows
+        batch_logits = torch.cat([logits, torch.randn(other_rows, 1000)])
+        metadata = _metadata(
+            batch_params, seeds=[seed] + [99] * other_rows, offsets=[step] * (1 + other_rows)
+        )
+        return int(sampler(batch_logits, metadata).token_ids[0])
 
-    alone = [draw([], step) for step in range(20)]
-    crowded = [draw([_row(SamplingParams(temperature=0.7))] * 5, step) for step in range(20)]
+    alone = [draw(0, step) for step in range(20)]
+    crowded = [draw(5, step) for step in range(20)]
     assert alone == crowded
     assert len(set(alone)) > 10, "the noise must advance with the step"
-    other_seed = [
-        sampler(logits, [_row(SamplingParams(seed=8), seed=8, num_output_tokens=s)]).token_ids[0]
-        for s in range(20)
-    ]
-    assert other_seed != alone
+    assert [draw(0, step, seed=8) for step in range(20)] != alone
+    # The general path (a filter on another row) draws the same noise for this row.
+    filtered = _metadata([params, SamplingParams(temperature=1.0, top_k=3)], seeds=[7, 1], offsets=[4, 4])
+    assert int(sampler(torch.cat([logits, logits]), filtered).token_ids[0]) == alone[4]
 
 
 def test_min_tokens_bans_eos_and_stop_tokens():
     logits = torch.zeros(4, 8)
     logits[:, 5] = 50.0  # the "EOS" would win every draw
-    banned = _row(SamplingParams(temperature=1.0, min_tokens=3), banned_token_ids=[5, 6])
-    greedy_banned = _row(SamplingParams(temperature=0.0, min_tokens=3), banned_token_ids=[5])
-    free = _row(SamplingParams(temperature=1.0))
-    for _ in range(20):
-        tokens = Sampler()(logits.clone(), [banned, greedy_banned, free, free]).token_ids
+    params = [
+        SamplingParams(temperature=1.0, min_tokens=3),
+        SamplingParams(temperature=0.0, min_tokens=3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0),
+    ]
+    for step in range(20):
+        metadata = _metadata(params, offsets=[step] * 4, banned_token_ids=[[5, 6], [5], [], []])
+        tokens = Sampler()(logits.clone(), metadata).token_ids.tolist()
         assert tokens[0] not in (5, 6) and tokens[1] != 5 and tokens[2] == 5
 
 
 def test_logprobs_are_raw_log_softmax_with_ranks():
     logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(3))
-    rows = [
-        _row(
-            SamplingParams(temperature=0.5, logprobs=3, top_k=5, repetition_penalty=1.5),
-            **_penalty_fields(logits[0]),
-        ),
-        _row(SamplingParams(temperature=1.0)),
-        _row(SamplingParams(temperature=0.0, logprobs=0)),
+    params = [
+        SamplingParams(temperature=0.5, logprobs=3, top_k=5, repetition_penalty=1.5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, logprobs=0),
     ]
-    out = Sampler()(logits.clone(), rows)
+    empty = np.zeros(0, dtype=np.int64)
+    metadata = _metadata(params, output_token_ids=[_penalty_history(logits[0]), empty, empty])
+    out = Sampler()(logits.clone(), metadata)
     reference = torch.log_softmax(logits, dim=-1)
     assert out.logprob_rows == [0, 2]  # the middle row did not ask
-    chosen = [out.token_ids[0], out.token_ids[2]]
-    assert out.logprobs.token_ids == chosen
+    lists = out.logprobs.to_lists()
+    tokens = out.token_ids.tolist()
+    assert lists.token_ids == [tokens[0], tokens[2]]
     for position, i in enumerate((0, 2)):
-        token = out.token_ids[i]
-        assert math.isclose(out.logprobs.logprobs[position], float(reference[i, token]), abs_tol=1e-5)
-        assert out.logprobs.ranks[position] == int((reference[i] >= reference[i, token]).sum())
+        token = tokens[i]
+        assert math.isclose(lists.logprobs[position], float(reference[i, token]), abs_tol=1e-5)
+        assert lists.ranks[position] == int((reference[i] >= reference[i, token]).sum())
     top = reference[0].topk(3)
-    assert out.logprobs.top_token_ids[0] == top.indices.tolist()
-    np.testing.assert_allclose(out.logprobs.top_logprobs[0], top.values.numpy(), atol=1e-5)
-    assert out.logprobs.top_token_ids[1] == []
+    assert lists.top_token_ids[0] == top.indices.tolist()
+    np.testing.assert_allclose(lists.top_logprobs[0], top.values.numpy(), atol=1e-5)
+    assert lists.top_token_ids[1] == []
 
 
-def test_temperature_only_batches_take_the_short_path(monkeypatch):
+def test_temperature_only_batches_take_the_one_pass_path(monkeypatch):
     sampler = Sampler()
     called = []
     monkeypatch.setattr(sampler, "_sample_full", lambda *a: called.append(1))
     logits = torch.randn(3, 20)
-    rows = [_row(SamplingParams(temperature=t)) for t in (0.0, 0.7, 1.0)]
-    tokens = sampler(logits, rows, torch.Generator().manual_seed(0)).token_ids
-    assert not called and tokens[0] == int(logits[0].argmax())
+    metadata = _metadata([SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0)])
+    tokens = sampler(logits, metadata).token_ids
+    assert not called and int(tokens[0]) == int(logits[0].argmax())
 
 
-def test_cpu_noise_is_exponential():
-    # The CPU draws Exp(1) as -log(U): its mean, tail and range must be those of Exp(1).
-    from nanoinfer.layers.sampler import _fill_exponential
+def test_a_failing_row_fails_alone(monkeypatch):
+    real = sampler_module.apply_top_k_top_p
 
-    noise = _fill_exponential(torch.empty(400_000), torch.Generator().manual_seed(0))
-    assert abs(noise.mean().item() - 1.0) < 0.01
-    assert abs((noise > 2.0).float().mean().item() - math.exp(-2.0)) < 0.002
-    assert noise.min().item() > 0.0
+    def failing(logits, top_k, top_p):
+        if 0.25 in top_p:
+            raise ArithmeticError("simulated")
+        return real(logits, top_k, top_p)
+
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p", failing)
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(5))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_p=0.25),
+        SamplingParams(top_p=0.5, logprobs=1),
+    ]
+    out, failed = Sampler().sample_isolating_faults(logits, _metadata(params))
+    assert list(failed) == [1] and "simulated" in failed[1]
+    tokens = out.token_ids.tolist()
+    assert tokens[1] == -1 and tokens[0] == int(logits[0].argmax())
+    alone = Sampler()(logits[2:], _metadata(params[2:], seeds=[2]))
+    assert tokens[2] == int(alone.token_ids[0]) and out.logprob_rows == [2]

@@ -4,6 +4,9 @@ A full block is identified by a chained hash: xxh64 over the previous block's ha
 token ids, so equal tokens after different prefixes never match. A hit is confirmed by comparing the
 tokens (64-bit hashes can collide). Freed blocks keep their hash (lazy invalidation) and can still be
 hit until the allocator hands them out for other content.
+
+Blocks are allocated as tokens are scheduled (:meth:`KVCacheManager.allocate_slots`), so a prompt being
+prefilled in chunks holds only the blocks of its computed chunks.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.engine.request import Request
 
 NO_HASH = -1
 
@@ -36,7 +39,7 @@ def chained_block_hash(token_ids: list[int], prefix_hash: int) -> int:
     return h.intdigest()
 
 
-class BlockManager:
+class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -45,7 +48,6 @@ class BlockManager:
         # (likely still useful) cached blocks survive longest.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
-        self.num_hashed_blocks: dict[int, int] = {}  # seq_id -> leading blocks already registered
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -58,33 +60,26 @@ class BlockManager:
         return len(self.free_block_ids)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return (num_tokens + self.block_size - 1) // self.block_size
+        return -(-num_tokens // self.block_size)
 
     # -- prefix cache lookup -------------------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of ``seq``. Only full blocks qualify, and at
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of ``request``. Only full blocks qualify, and at
         least one token is always left to compute (the model must produce logits for the last one),
-        so a block-aligned prompt that is cached whole still recomputes its last block. A sequence
-        that needs every prompt position's logits (prompt logprobs) opts out with skip_prefix_cache."""
-        if not self.enable_prefix_caching or seq.skip_prefix_cache:
+        so a block-aligned prompt that is cached whole still recomputes its last block."""
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
             return []
         matched: list[int] = []
         prefix_hash = NO_HASH
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            tokens = seq.block_tokens(i)
+        for i in range((request.num_tokens - 1) // self.block_size):
+            tokens = request.block_tokens(i, self.block_size)
             prefix_hash = chained_block_hash(tokens, prefix_hash)
             block_id = self.hash_to_block_id.get(prefix_hash)
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
                 break
             matched.append(block_id)
         return matched
-
-    def can_allocate(self, seq: Sequence, cached_block_ids: list[int]) -> bool:
-        # Cached blocks that someone else holds cost nothing; cached blocks sitting in the free pool
-        # still take a free slot when revived.
-        shared = sum(1 for b in cached_block_ids if self.blocks[b].ref_count > 0)
-        return self.num_free_blocks >= seq.num_blocks - shared
 
     # -- allocation ----------------------------------------------------------------------------------
 
@@ -98,60 +93,66 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def allocate(self, seq: Sequence, cached_block_ids: list[int]) -> None:
-        """Gives ``seq`` blocks for all its tokens, reusing ``cached_block_ids`` for its prefix."""
-        for block_id in cached_block_ids:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_block_ids: list[int] | None = None
+    ) -> bool:
+        """Gives ``request`` blocks for ``num_new_tokens`` more tokens after its computed ones, first
+        taking ``cached_block_ids`` (its prefix-cache hit, on admission) as its leading blocks. Returns
+        False, changing nothing, when the free pool is too small."""
+        cached = cached_block_ids or []
+        # Cached blocks that someone else holds cost nothing; those in the free pool take a free slot.
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        num_computed = request.num_computed_tokens + len(cached) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids) - len(cached)
+        if max(needed, 0) + revived > self.num_free_blocks:
+            return False
+        for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
-        for _ in range(len(cached_block_ids), seq.num_blocks):
-            seq.block_table.append(self._take_free_block())
-        num_cached_tokens = len(cached_block_ids) * self.block_size
-        seq.num_computed_tokens = num_cached_tokens
-        self.num_hashed_blocks[seq.seq_id] = len(cached_block_ids)
-        if self.enable_prefix_caching:
-            self.queried_tokens += seq.num_tokens
-            self.hit_tokens += num_cached_tokens
+            request.block_ids.append(block_id)
+        if cached:
+            request.num_computed_tokens = num_computed
+            request.num_cached_blocks = len(cached)
+        for _ in range(needed):
+            request.block_ids.append(self._take_free_block())
+        return True
 
-    def deallocate(self, seq: Sequence) -> None:
+    def record_prefix_query(self, request: Request) -> None:
+        """Counts an admission's prompt in the hit-rate statistics (after its prefix lookup)."""
+        if self.enable_prefix_caching:
+            self.queried_tokens += request.num_tokens
+            self.hit_tokens += request.num_computed_tokens
+
+    def free(self, request: Request) -> None:
         # Tail blocks are freed first so that, among equally old free blocks, shared prefixes outlive
         # the unique suffixes that follow them.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(request.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
-        seq.block_table.clear()
-        seq.num_computed_tokens = 0
-        self.num_hashed_blocks.pop(seq.seq_id, None)
-
-    def try_append(self, seq: Sequence) -> bool:
-        """Gives the token about to be computed for ``seq`` a slot, taking a new block when it starts one;
-        False (nothing changed) when that block is needed and none is free."""
-        if len(seq.block_table) >= seq.num_blocks:
-            return True
-        if not self.num_free_blocks:
-            return False
-        seq.block_table.append(self._take_free_block())
-        return True
+        request.block_ids.clear()
+        request.num_computed_tokens = 0
+        request.num_cached_blocks = 0
 
     # -- prefix cache registration -------------------------------------------------------------------
 
-    def register_computed_blocks(self, seq: Sequence) -> None:
-        """Publishes the blocks of ``seq`` that became full of computed K/V in this step."""
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publishes the blocks of ``request`` that are full of computed K/V of known tokens. A block
+        being written by a step still running is published too: every later step runs after it."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
-        start = self.num_hashed_blocks.get(seq.seq_id, 0)
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        start = request.num_cached_blocks
         if num_full <= start:  # most decode steps: no block became full
             return
-        prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start else NO_HASH
+        prefix_hash = self.blocks[request.block_ids[start - 1]].hash if start else NO_HASH
         for i in range(start, num_full):
-            tokens = seq.block_tokens(i)
+            tokens = request.block_tokens(i, self.block_size)
             prefix_hash = chained_block_hash(tokens, prefix_hash)
-            block = self.blocks[seq.block_table[i]]
+            block = self.blocks[request.block_ids[i]]
             block.hash, block.token_ids = prefix_hash, tuple(tokens)
             self.hash_to_block_id[prefix_hash] = block.block_id
-        self.num_hashed_blocks[seq.seq_id] = max(start, num_full)
+        request.num_cached_blocks = num_full

@@ -10,7 +10,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from nanoinfer.engine.llm_engine import LLMEngine, PromptType
+from nanoinfer.frontend.input_processor import PromptType
+from nanoinfer.frontend.llm_engine import LLMEngine
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 

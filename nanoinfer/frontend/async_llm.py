@@ -1,12 +1,12 @@
 """`AsyncLLM`: the engine behind an asyncio server.
 
-One background thread owns the LLMEngine (it is not thread-safe) and runs its loop: it applies queued
+One background thread owns an LLMEngine (it is not thread-safe) and runs its loop: it applies queued
 commands (add, abort, inspect), runs one ``step()`` while any request is unfinished, and hands every
 step's outputs to the asyncio side in one batch per event loop. Requests added while the engine runs
 join the batch at the next step. When there is nothing to do the thread blocks on its command queue.
 
-Only new token ids cross the thread boundary (the asyncio side keeps the cumulative list), so the
-engine thread does per-step work proportional to the new tokens, not to the output so far.
+Outputs come in each request's own output kind: a server streams DELTA outputs (only the new text and
+token ids) and asks FINAL_ONLY for whole responses, so per-step work is proportional to the new tokens.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
+from nanoinfer.frontend.output_processor import RequestStatsListener
 from nanoinfer.outputs import CompletionOutput, RequestOutput
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from nanoinfer.engine.llm_engine import LLMEngine, PromptType
+    from nanoinfer.frontend.input_processor import PromptType
+    from nanoinfer.frontend.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -37,75 +39,6 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """One request failed inside the engine (its own fault); the engine goes on serving the others."""
-
-
-@dataclass
-class StreamingCompletionOutput(CompletionOutput):
-    """A cumulative CompletionOutput plus what is new since the previous output of the same request."""
-
-    text_delta: str = ""
-    token_ids_delta: list[int] = field(default_factory=list)
-
-
-class RequestStatsListener(Protocol):
-    """Receives per-request timings on the engine thread (e.g. to feed Prometheus metrics).
-
-    The methods must be quick and must not raise: an exception there stops the engine loop.
-    """
-
-    def on_prompt(self, num_prompt_tokens: int) -> None: ...
-
-    def on_new_tokens(self, num_tokens: int, ttft_s: float | None, itl_s: float | None) -> None: ...
-
-    def on_finished(self, finish_reason: str, e2e_s: float) -> None: ...
-
-
-# -- messages from the engine thread to a request's stream ----------------------------------------------
-
-
-@dataclass
-class _CompletionUpdate:
-    index: int
-    new_token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    stop_reason: int | str | None
-    new_logprobs: list | None  # one entry per new token, when logprobs were asked for
-    cumulative_logprob: float | None
-
-
-@dataclass
-class _Update:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    completions: list[_CompletionUpdate]
-    finished: bool
-    num_cached_tokens: int
-    prompt_logprobs: list | None
-    error: str | None = None
-
-
-@dataclass
-class _CompletionState:
-    """The asyncio side's cumulative copy of one completion."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list | None = None
-    cumulative_logprob: float | None = None
-
-    def apply(self, update: _CompletionUpdate) -> None:
-        self.token_ids.extend(update.new_token_ids)
-        self.text = update.text
-        self.finish_reason = update.finish_reason
-        self.stop_reason = update.stop_reason
-        if update.new_logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(update.new_logprobs)
-        self.cumulative_logprob = update.cumulative_logprob
 
 
 class _Aborted:
@@ -145,22 +78,31 @@ class _StopCommand:
     pass
 
 
-@dataclass
-class _Tracked:
-    """Engine-thread bookkeeping of one request."""
-
-    stream: RequestStream
-    arrival_time: float
-    num_sent_tokens: dict[int, int] = field(default_factory=dict)
-    first_token_time: float | None = None
-    last_token_time: float = 0.0
+def merge_delta_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Several DELTA outputs of one request as one: per completion, the texts, token ids and logprobs
+    concatenated; the latest of everything else."""
+    merged: dict[int, CompletionOutput] = {}
+    for output in outputs:
+        for c in output.outputs:
+            previous = merged.get(c.index)
+            if previous is None:
+                merged[c.index] = replace(c, token_ids=list(c.token_ids))
+                continue
+            logprobs = previous.logprobs
+            if c.logprobs is not None:
+                logprobs = (logprobs or []) + c.logprobs
+            merged[c.index] = replace(
+                c, text=previous.text + c.text, token_ids=previous.token_ids + c.token_ids, logprobs=logprobs
+            )
+    return replace(outputs[-1], outputs=[merged[i] for i in sorted(merged)])
 
 
 class RequestStream:
-    """The outputs of one request as an async iterator of cumulative RequestOutputs with deltas.
+    """The outputs of one request as an async iterator of RequestOutputs (in the request's output kind).
 
-    Outputs that pile up while the consumer is busy are merged into one. The iterator ends after the
-    finished output; it raises the error if the request failed. Call :meth:`abort` when abandoning it.
+    DELTA outputs that pile up while the consumer is busy are merged into one (CUMULATIVE ones: the
+    latest is kept). The iterator ends after the finished output; it raises the error if the request
+    failed. Call :meth:`abort` when abandoning it.
     """
 
     def __init__(self, async_llm: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop):
@@ -169,11 +111,8 @@ class RequestStream:
         self._async_llm = async_llm
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._prompt: str | None = None
-        self._prompt_token_ids: list[int] = []
-        self._prompt_logprobs: list | None = None
-        self._num_cached_tokens = 0
-        self._completions: dict[int, _CompletionState] = {}
+        self._kind = RequestOutputKind.CUMULATIVE
+        self._last: RequestOutput | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -184,57 +123,36 @@ class RequestStream:
         items = [await self._queue.get()]
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
-        prev = {i: (len(c.token_ids), c.text) for i, c in self._completions.items()}
-        request_finished = False
+        outputs: list[RequestOutput] = []
         for item in items:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
             if item is _ABORTED:
-                request_finished = True
-                if not self._completions:
-                    self._completions[0] = _CompletionState()
-                for completion in self._completions.values():
-                    completion.finish_reason = completion.finish_reason or "abort"
-                break
+                self.finished = True
+                return self._aborted_output(outputs)
             if item.error is not None:
                 self.finished = True
                 raise RequestFailedError(f"request {self.request_id} failed: {item.error}")
-            self._prompt, self._prompt_token_ids = item.prompt, item.prompt_token_ids
-            self._prompt_logprobs = item.prompt_logprobs
-            self._num_cached_tokens = item.num_cached_tokens
-            request_finished = item.finished
-            for update in item.completions:
-                self._completions.setdefault(update.index, _CompletionState()).apply(update)
-        self.finished = request_finished
-        outputs = []
-        for index in sorted(self._completions):
-            c = self._completions[index]
-            prev_len, prev_text = prev.get(index, (0, ""))
-            outputs.append(
-                StreamingCompletionOutput(
-                    index=index,
-                    text=c.text,
-                    token_ids=list(c.token_ids),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    cumulative_logprob=c.cumulative_logprob,
-                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                    # The engine's text only grows (held-back text is released, never rewritten), so
-                    # the new text is the cumulative text's tail.
-                    text_delta=c.text[len(prev_text) :] if c.text.startswith(prev_text) else c.text,
-                    token_ids_delta=c.token_ids[prev_len:],
-                )
+            outputs.append(item)
+        output = merge_delta_outputs(outputs) if self._kind == RequestOutputKind.DELTA else outputs[-1]
+        self.finished = output.finished
+        self._last = output
+        return output
+
+    def _aborted_output(self, outputs: list[RequestOutput]) -> RequestOutput:
+        """The end of an aborted stream: what was queued before, with finish_reason "abort"."""
+        if outputs:
+            base = merge_delta_outputs(outputs) if self._kind == RequestOutputKind.DELTA else outputs[-1]
+        elif self._last is not None:
+            empty = [replace(c, text="", token_ids=[], logprobs=None) for c in self._last.outputs]
+            base = replace(
+                self._last, outputs=empty if self._kind == RequestOutputKind.DELTA else self._last.outputs
             )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self._prompt,
-            prompt_token_ids=self._prompt_token_ids,
-            outputs=outputs,
-            finished=request_finished,
-            num_cached_tokens=self._num_cached_tokens,
-            prompt_logprobs=self._prompt_logprobs,
-        )
+        else:
+            base = RequestOutput(self.request_id, None, [], [CompletionOutput(0, "", [])])
+        completions = [replace(c, finish_reason=c.finish_reason or "abort") for c in base.outputs]
+        return replace(base, outputs=completions, finished=True)
 
     def abort(self) -> None:
         """Stops the request and frees its KV blocks (soon, on the engine thread); no-op once finished."""
@@ -254,14 +172,14 @@ class AsyncLLM:
     def __init__(
         self, engine_factory: Callable[[], LLMEngine], stats_listener: RequestStatsListener | None = None
     ):
-        self.stats_listener = stats_listener
+        self._stats_listener = stats_listener
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Guards _dead so that no command is queued after the engine thread drained the queue for good.
         self._lock = threading.Lock()
         self._dead: EngineDeadError | None = None
         self._crashed = False
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._engine: LLMEngine | None = None
         self._last_stats: dict[str, int] = {}
         ready: concurrent.futures.Future = concurrent.futures.Future()
@@ -275,9 +193,19 @@ class AsyncLLM:
     def from_kwargs(
         cls, model: str, stats_listener: RequestStatsListener | None = None, **engine_kwargs: Any
     ) -> AsyncLLM:
-        from nanoinfer.engine.llm_engine import LLMEngine
+        from nanoinfer.frontend.llm_engine import LLMEngine
 
         return cls(lambda: LLMEngine.from_kwargs(model, **engine_kwargs), stats_listener)
+
+    @property
+    def stats_listener(self) -> RequestStatsListener | None:
+        return self._stats_listener
+
+    @stats_listener.setter
+    def stats_listener(self, listener: RequestStatsListener | None) -> None:
+        """Timings of every request from now on (the engine's output processor reports them)."""
+        self._stats_listener = listener
+        self._engine.output_processor.stats_listener = listener
 
     @property
     def config(self):
@@ -319,9 +247,10 @@ class AsyncLLM:
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
-        accepted = loop.create_future()
         params = params if params is not None else SamplingParams()
-        self._submit(_AddCommand(request_id, prompt, params, stream, accepted, time.monotonic()))
+        stream._kind = params.output_kind
+        accepted = loop.create_future()
+        self._submit(_AddCommand(request_id, prompt, params, stream, accepted, time.time()))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -336,7 +265,7 @@ class AsyncLLM:
     async def generate(
         self, prompt: PromptType, params: SamplingParams | None, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative output (with deltas) after each step that advanced it.
+        """Yields the request's outputs (in its output kind) after each step that advanced it.
 
         Closing the generator early aborts the request. A cancellation while it waits for output does
         that at once; after a ``break`` (or an exception in the loop body) it happens when asyncio
@@ -408,6 +337,7 @@ class AsyncLLM:
     def _run(self, engine_factory: Callable[[], LLMEngine], ready: concurrent.futures.Future) -> None:
         try:
             self._engine = engine_factory()
+            self._engine.output_processor.stats_listener = self._stats_listener
             self._take_stats(self._engine)
         except BaseException as e:
             with self._lock:
@@ -453,21 +383,19 @@ class AsyncLLM:
         engine = self._engine
         if isinstance(command, _AddCommand):
             try:
-                engine.add_request(command.request_id, command.prompt, command.params)
+                engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
             except Exception as e:  # a bad request fails alone; the engine allocated nothing for it
                 _resolve(command.accepted, error=e)
                 return
-            self._tracked[command.request_id] = _Tracked(command.stream, command.arrival_time)
+            self._streams[command.request_id] = command.stream
             _resolve(command.accepted, value=None)
         elif isinstance(command, _AbortCommand):
-            tracked = self._tracked.get(command.request_id)
-            if tracked is None or (command.stream is not None and tracked.stream is not command.stream):
+            stream = self._streams.get(command.request_id)
+            if stream is None or (command.stream is not None and stream is not command.stream):
                 return
-            del self._tracked[command.request_id]
+            del self._streams[command.request_id]
             engine.abort_request(command.request_id)
-            if self.stats_listener is not None:
-                self.stats_listener.on_finished("abort", time.monotonic() - tracked.arrival_time)
-            _post(tracked.stream._loop, [(tracked.stream, _ABORTED)])
+            _post(stream._loop, [(stream, _ABORTED)])
         elif isinstance(command, _CallCommand):
             try:
                 result = command.fn(engine)
@@ -479,58 +407,15 @@ class AsyncLLM:
             raise TypeError(f"unknown engine command {command!r}")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Sends each output's new tokens to its stream: one hop to each event loop per step."""
-        now = time.monotonic()
-        listener = self.stats_listener
+        """Sends each output to its stream: one hop to each event loop per step."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
-            tracked = self._tracked.get(output.request_id)
-            if tracked is None:  # not added through this AsyncLLM
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # not added through this AsyncLLM
                 continue
-            completions = []
-            num_new = 0
-            for c in output.outputs:
-                sent = tracked.num_sent_tokens.get(c.index, 0)
-                new_ids = list(c.token_ids[sent:])
-                tracked.num_sent_tokens[c.index] = sent + len(new_ids)
-                num_new += len(new_ids)
-                new_logprobs = list(c.logprobs[sent:]) if c.logprobs is not None else None
-                completions.append(
-                    _CompletionUpdate(
-                        c.index,
-                        new_ids,
-                        c.text,
-                        c.finish_reason,
-                        c.stop_reason,
-                        new_logprobs,
-                        c.cumulative_logprob,
-                    )
-                )
-            if num_new:
-                if listener is not None:
-                    if tracked.first_token_time is None:
-                        listener.on_prompt(len(output.prompt_token_ids))
-                        listener.on_new_tokens(num_new, now - tracked.arrival_time, None)
-                    else:
-                        listener.on_new_tokens(num_new, None, now - tracked.last_token_time)
-                if tracked.first_token_time is None:
-                    tracked.first_token_time = now
-                tracked.last_token_time = now
             if output.finished:
-                del self._tracked[output.request_id]
-                if listener is not None:
-                    reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
-                    listener.on_finished(reason, now - tracked.arrival_time)
-            update = _Update(
-                output.prompt,
-                output.prompt_token_ids,
-                completions,
-                output.finished,
-                output.num_cached_tokens,
-                output.prompt_logprobs,
-                output.error,
-            )
-            batches.setdefault(tracked.stream._loop, []).append((tracked.stream, update))
+                del self._streams[output.request_id]
+            batches.setdefault(stream._loop, []).append((stream, output))
         for loop, items in batches.items():
             _post(loop, items)
 
@@ -542,9 +427,9 @@ class AsyncLLM:
             self._take_stats(engine)
         except Exception:
             logger.exception("engine.stats() failed while stopping")
-        for tracked in self._tracked.values():
-            _post(tracked.stream._loop, [(tracked.stream, error)])
-        self._tracked.clear()
+        for stream in self._streams.values():
+            _post(stream._loop, [(stream, error)])
+        self._streams.clear()
         while True:
             try:
                 command = self._commands.get_nowait()

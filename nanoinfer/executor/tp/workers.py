@@ -1,9 +1,10 @@
 """Tensor-parallel workers: ranks 1..N-1, each a spawned process owning a ModelRunner.
 
-Rank 0's ModelRunner (in the engine's process) starts them (:class:`TensorParallelWorkers`), sends each
-batch through a shared-memory channel before running its own shard, and stops them on close. A worker
-waits for a batch, runs it (its collectives pair up with rank 0's), and loops; it exits on the stop
-message, or by itself when rank 0's process is gone.
+Rank 0's executor (:class:`nanoinfer.executor.tp.executor.TensorParallelExecutor`, in the engine's
+process) starts them (:class:`TensorParallelWorkers`), sends each step's inputs through a shared-memory
+channel before running its own shard, and stops them on close. A worker waits for a step, runs it (its
+collectives pair up with rank 0's), and loops; it exits on the stop message, or by itself when rank 0's
+process is gone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from nanoinfer.config import EngineConfig
 from nanoinfer.distributed import (
     ABORT_TIMEOUT_S,
     COLLECTIVE_TIMEOUT,
+    connect_store,
     create_master_store,
     destroy_process_group,
     ensure_no_process_group,
@@ -33,8 +35,8 @@ from nanoinfer.distributed import (
     set_failure_check,
     start_abort,
 )
-from nanoinfer.executor.batch import StepInputs
-from nanoinfer.executor.shm_channel import ChannelReader, ChannelReaderHandle, ChannelWriter
+from nanoinfer.executor.input_batch import StepInputs
+from nanoinfer.executor.tp.channel import ChannelReader, ChannelReaderHandle, ChannelWriter
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +49,12 @@ WORKER_CHECK_S = 0.01
 def max_message_bytes(config: EngineConfig) -> int:
     """An upper bound on a pickled StepInputs: T = max(max_num_batched_tokens, max_num_seqs) tokens (ids,
     positions and slots, and at most T prompt-logprob positions: 8 bytes each), at most max_num_seqs
-    rows (4-byte query starts and lengths, 8-byte sample indices, a block table of at most
-    max_blocks_per_seq + 1 4-byte entries), and under 400 bytes of pickle framing per array."""
+    rows (4-byte query starts and lengths, 8-byte slots, logits indices and pending indices and sources),
+    block-table entries sent whole for at most every row (8-byte slot and column, 4-byte id, for at most
+    max_blocks_per_seq + 1 entries each), and under 400 bytes of pickle framing per array."""
     rows = config.max_num_seqs
     tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-    return 8192 + 8 * 4 * tokens + rows * (4 * (config.max_blocks_per_seq + 1) + 16)
+    return 8192 + 8 * 4 * tokens + rows * (8 + 32 + 20 * (config.max_blocks_per_seq + 1))
 
 
 class TensorParallelWorkers:
@@ -241,13 +244,21 @@ def _worker_main(
     from nanoinfer.executor.model_runner import ModelRunner
 
     reader = runner = None
+    joined = False
     parent = mp.parent_process()
     try:
         if config.device == "cpu":
             # One thread per extra rank: N processes of all-core thread pools would oversubscribe the CPU.
             torch.set_num_threads(1)
         reader = ChannelReader(handle)
-        runner = ModelRunner(config, rank=rank, store_port=port)
+        device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        init_process_group(
+            connect_store(port, config.tensor_parallel_size), rank, config.tensor_parallel_size, device
+        )
+        joined = True
+        runner = ModelRunner(config, rank=rank)
         while True:
             ok, step = reader.recv(parent.is_alive)
             if not ok:
@@ -258,7 +269,7 @@ def _worker_main(
                 os._exit(1)
             if step is None:  # the stop message
                 break
-            runner.execute_step(step)
+            runner.execute_worker_step(step)
     except KeyboardInterrupt:
         # Ctrl-C reaches the whole process group; rank 0 reports the interruption, this rank just ends.
         raise SystemExit(1) from None
@@ -273,5 +284,7 @@ def _worker_main(
     finally:
         if runner is not None:
             runner.close()
+        if joined:
+            destroy_process_group()
         if reader is not None:
             reader.close()

@@ -1,0 +1,108 @@
+"""The engine core: tokenized requests in, each step's new token ids per request out. No text, no
+tensors: the scheduler decides, the executor runs the step on the device.
+
+With async scheduling (on by default on CUDA) one step is always in flight: :meth:`EngineCore.step`
+schedules and launches step n+1, then waits for step n and turns its result into outputs, so that the
+host's work for one step overlaps the device's for the other. Step n+1's input for a decoding request is
+step n's sampled token, which stays on the device. A request that step n finished has a row in step
+n+1 that is wasted: its token is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nanoinfer.config import EngineConfig
+from nanoinfer.engine.kv_cache_manager import KVCacheManager
+from nanoinfer.engine.request import EngineRequest
+from nanoinfer.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
+from nanoinfer.executor.model_runner import StepHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    # Tokens the finished step computed: prompt tokens (prefill) and sampled tokens.
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        from nanoinfer.executor.executor import create_executor  # imports the model code
+
+        self.config = config
+        started = time.perf_counter()
+        self.executor = create_executor(config)
+        self.num_kv_blocks = self.executor.num_kv_blocks
+        self.kv_cache_manager = KVCacheManager(
+            self.num_kv_blocks, config.kvcache_block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+        )
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
+        logger.info(
+            "engine core ready in %.1f s: %d KV blocks of %d tokens, async scheduling %s",
+            time.perf_counter() - started,
+            self.num_kv_blocks,
+            config.kvcache_block_size,
+            "on" if self.async_scheduling else "off",
+        )
+
+    # -- requests --------------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queues a request the frontend's input processor validated (its KV need fits the pool); raises
+        ValueError if its id is in use."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Drops requests (aborted, or ended by the frontend: a stop string) and frees their blocks."""
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Runs one step. Without async scheduling: schedule, run, return its outputs. With it: launch
+        the next step, then return the outputs of the one launched by the previous call."""
+        out = self.scheduler.schedule()
+        handle = self.executor.execute(out) if not out.is_empty else None
+        if not self.async_scheduling:
+            return self._finish_step(out, handle) if handle is not None else EngineCoreOutputs()
+        previous, self._in_flight = self._in_flight, (out, handle) if handle is not None else None
+        if previous is None:
+            return EngineCoreOutputs()
+        return self._finish_step(*previous)
+
+    def _finish_step(self, out: SchedulerOutput, handle: StepHandle) -> EngineCoreOutputs:
+        result = handle.result()
+        outputs = self.scheduler.update_from_output(out, result)
+        num_sampled = sum(1 for t in result.token_ids if t >= 0)
+        num_prompt = sum(r.num_tokens for r in out.scheduled if not r.samples or r.num_tokens > 1)
+        self.num_prompt_tokens_computed += num_prompt
+        self.num_generated_tokens += num_sampled
+        return EngineCoreOutputs(outputs, num_prompt, num_sampled)
+
+    def stats(self) -> dict[str, int]:
+        stats = self.scheduler.stats()
+        stats["num_prompt_tokens_computed"] = self.num_prompt_tokens_computed
+        stats["num_generated_tokens"] = self.num_generated_tokens
+        return stats
+
+    def close(self) -> None:
+        """Stops the executor (and its tensor-parallel workers); the core is unusable afterwards."""
+        self._in_flight = None
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None

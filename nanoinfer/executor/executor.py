@@ -1,0 +1,37 @@
+"""The engine core's handle on the device: an executor runs each SchedulerOutput as one step."""
+
+from __future__ import annotations
+
+from nanoinfer.config import EngineConfig
+from nanoinfer.engine.scheduler import SchedulerOutput
+from nanoinfer.executor.model_runner import ModelRunner, StepHandle
+
+
+class Executor:
+    """One device, one process: the model runner of the only rank."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_kv_blocks
+
+    def execute(self, out: SchedulerOutput) -> StepHandle:
+        """Launches the step; the handle's result() waits for it."""
+        step, plan = self.runner.prepare(out)
+        return self.runner.execute(out, step, plan)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    if config.tensor_parallel_size > 1:
+        from nanoinfer.executor.tp.executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config)
+    return Executor(config)

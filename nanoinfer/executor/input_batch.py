@@ -1,0 +1,254 @@
+"""The model runner's persistent batch: one row (slot) per request in the batch, kept across steps and
+updated by diffs, and each step's inputs as host arrays.
+
+Rank 0 turns a SchedulerOutput into :class:`StepInputs` (a few numpy arrays; under tensor parallelism
+also what the workers receive) and :class:`SamplingMetadata`. Block tables live on the device in a
+[max_num_seqs, max_blocks] table that only receives the block ids scheduled since the previous step;
+sampling parameters live in per-slot arrays written once, when a request takes its slot.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from nanoinfer.engine.scheduler import NewRequestData, SchedulerOutput
+from nanoinfer.sample.metadata import SamplingMetadata
+
+
+class StepInputs(NamedTuple):
+    """One step's model inputs as host arrays. Rows are ordered decode rows (one query token) first."""
+
+    input_ids: np.ndarray  # int64 [tokens]; 0 where the token is the previous step's (pending)
+    positions: np.ndarray  # int64 [tokens]
+    slot_mapping: np.ndarray  # int64 [tokens]; -1: write no K/V
+    query_start_loc: np.ndarray  # int32 [rows + 1]
+    seq_lens: np.ndarray  # int32 [rows], context length including this step's tokens
+    row_slots: np.ndarray  # int64 [rows]: each row's persistent slot (its block-table row)
+    # Block-table entries scheduled since the previous step: table[slots, cols] = block ids.
+    table_slots: np.ndarray  # int64
+    table_cols: np.ndarray  # int64
+    table_block_ids: np.ndarray  # int32
+    num_decode_rows: int
+    max_query_len: int
+    max_seq_len: int
+    logits_index: np.ndarray  # int64: the last token of each row that samples, rows in order
+    # Tokens the previous step sampled that are inputs of this one: input_ids[pending_index] =
+    # previous_sampled[pending_source] (resolved on rank 0's device, then broadcast to the workers).
+    pending_index: np.ndarray  # int64
+    pending_source: np.ndarray  # int64
+    # Tokens whose logits give prompt logprobs (computing logits is a collective: every rank joins).
+    prompt_logprob_index: np.ndarray | None = None
+
+
+class StepPlan(NamedTuple):
+    """Rank 0's bookkeeping of a step beside its StepInputs: which scheduled request each row is."""
+
+    row_order: list[int]  # batch row -> index into SchedulerOutput.scheduled
+    sample_rows: list[int]  # logits row -> index into SchedulerOutput.scheduled
+    prompt_logprob_rows: list[tuple[int, int]]  # (scheduled index, number of positions), in order
+
+
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        # One column beyond max_model_len's blocks: a sequence at full length can start one more block.
+        width = max_blocks_per_seq + 1
+        self.block_table_host = np.zeros((max_num_seqs, width), dtype=np.int32)
+        self.block_table = torch.zeros(max_num_seqs, width, dtype=torch.int32, device=device)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.slot_of: dict[str, int] = {}
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        # Sampling parameters per slot.
+        self.temperature_host = np.zeros(max_num_seqs, dtype=np.float32)
+        self.temperature = torch.zeros(max_num_seqs, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.top_k = np.zeros(max_num_seqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_seqs, dtype=np.float64)
+        self.min_p = np.zeros(max_num_seqs, dtype=np.float64)
+        self.presence = np.zeros(max_num_seqs, dtype=np.float32)
+        self.frequency = np.zeros(max_num_seqs, dtype=np.float32)
+        self.repetition = np.ones(max_num_seqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.zeros(max_num_seqs, dtype=np.int64)
+        self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.banned_ids: list[list[int]] = [[] for _ in range(max_num_seqs)]
+        self.prompt_ids: list[np.ndarray | None] = [None] * max_num_seqs
+        self.uses_penalties = np.zeros(max_num_seqs, dtype=bool)
+        # The previous step's sampled tokens (on the device) and which request each row was.
+        self.previous_sampled: torch.Tensor | None = None
+        self.previous_sample_row: dict[str, int] = {}
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting for the device: from pinned memory on CUDA (a
+        copy from pageable memory first waits for the stream, which would undo async scheduling)."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    # -- slots ---------------------------------------------------------------------------------------
+
+    def _add(self, new: NewRequestData) -> int:
+        slot = self._free_slots.pop()
+        self.slot_of[new.request_id] = slot
+        p = new.params
+        self.temperature_host[slot] = p.temperature
+        self.top_k[slot] = p.top_k if p.top_k > 0 else 0
+        self.top_p[slot] = p.top_p
+        self.min_p[slot] = p.min_p
+        self.presence[slot] = p.presence_penalty
+        self.frequency[slot] = p.frequency_penalty
+        self.repetition[slot] = p.repetition_penalty
+        self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[slot] = p.prompt_logprobs or 0
+        self.min_tokens[slot] = min(p.min_tokens, 1 << 62)  # any count past max_model_len is the same
+        self.banned_ids[slot] = new.min_tokens_banned_ids
+        self.prompt_ids[slot] = new.distinct_prompt_ids
+        self.uses_penalties[slot] = p.uses_penalties
+        self.num_blocks[slot] = 0
+        return slot
+
+    def _remove(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.prompt_ids[slot] = None
+            self._free_slots.append(slot)
+
+    # -- one step --------------------------------------------------------------------------------------
+
+    def prepare(self, out: SchedulerOutput) -> tuple[StepInputs, StepPlan]:
+        """Applies the step's diffs to the persistent rows and builds its inputs."""
+        for request_id in out.finished_request_ids:
+            self._remove(request_id)
+        new_slots = [self._add(new) for new in out.new_requests.values()]
+        if new_slots:
+            index = self.to_device(np.array(new_slots, dtype=np.int64))
+            self.temperature[index] = self.to_device(self.temperature_host[new_slots])
+            seeds = [new.seed for new in out.new_requests.values()]
+            self.seeds[index] = self.to_device(np.array(seeds, dtype=np.int64))
+
+        scheduled = out.scheduled
+        # Decode rows (one query token) first: the attention backend sends them to the decode kernel.
+        decode_rows = [i for i, r in enumerate(scheduled) if r.num_tokens == 1]
+        row_order = decode_rows + [i for i, r in enumerate(scheduled) if r.num_tokens != 1]
+        num_rows = len(row_order)
+        slot_of = self.slot_of
+        block_size = self.block_size
+        table = self.block_table_host
+        row_slots = np.empty(num_rows, dtype=np.int64)
+        q_lens = np.empty(num_rows, dtype=np.int64)
+        starts = np.empty(num_rows, dtype=np.int64)
+        table_slots: list[int] = []
+        table_cols: list[int] = []
+        table_ids: list[int] = []
+        tokens: list[int] = []
+        pending_index: list[int] = []
+        pending_source: list[int] = []
+        sample_rows: list[int] = []
+        logits_index: list[int] = []
+        prompt_logprob_rows: list[tuple[int, int]] = []
+        prompt_logprob_index: list[np.ndarray] = []
+        previous_row = self.previous_sample_row
+        offset = 0
+        for row, index in enumerate(row_order):
+            r = scheduled[index]
+            slot = slot_of[r.request_id]
+            row_slots[row] = slot
+            q_lens[row] = r.num_tokens
+            starts[row] = r.start_pos
+            if r.new_block_ids:
+                first = int(self.num_blocks[slot])
+                n = len(r.new_block_ids)
+                table[slot, first : first + n] = r.new_block_ids
+                self.num_blocks[slot] = first + n
+                table_slots += [slot] * n
+                table_cols += range(first, first + n)
+                table_ids += r.new_block_ids
+            tokens += r.token_ids
+            if r.last_token_pending:
+                tokens.append(0)
+                pending_index.append(offset + r.num_tokens - 1)
+                pending_source.append(previous_row[r.request_id])
+            if r.prompt_logprob_targets:
+                count = len(r.prompt_logprob_targets)
+                prompt_logprob_rows.append((index, count))
+                begin = offset + r.prompt_logprob_start
+                prompt_logprob_index.append(np.arange(begin, begin + count, dtype=np.int64))
+            offset += r.num_tokens
+            if r.samples:
+                sample_rows.append(index)
+                logits_index.append(offset - 1)
+
+        positions = np.repeat(starts - np.concatenate([[0], np.cumsum(q_lens)[:-1]]), q_lens)
+        positions += np.arange(offset, dtype=np.int64)
+        token_slots = np.repeat(row_slots, q_lens)
+        slot_mapping = table[token_slots, positions // block_size].astype(np.int64) * block_size
+        slot_mapping += positions % block_size
+        query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        seq_lens = (starts + q_lens).astype(np.int32)
+        step = StepInputs(
+            input_ids=np.array(tokens, dtype=np.int64),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            row_slots=row_slots,
+            table_slots=np.array(table_slots, dtype=np.int64),
+            table_cols=np.array(table_cols, dtype=np.int64),
+            table_block_ids=np.array(table_ids, dtype=np.int32),
+            num_decode_rows=len(decode_rows),
+            max_query_len=int(q_lens.max()) if num_rows else 0,
+            max_seq_len=int(seq_lens.max()) if num_rows else 0,
+            logits_index=np.array(logits_index, dtype=np.int64),
+            pending_index=np.array(pending_index, dtype=np.int64) if pending_index else _EMPTY_I64,
+            pending_source=np.array(pending_source, dtype=np.int64) if pending_source else _EMPTY_I64,
+            prompt_logprob_index=np.concatenate(prompt_logprob_index) if prompt_logprob_index else None,
+        )
+        return step, StepPlan(row_order, sample_rows, prompt_logprob_rows)
+
+    def sampling_metadata(
+        self, out: SchedulerOutput, plan: StepPlan, pending_tokens: torch.Tensor | None
+    ) -> SamplingMetadata:
+        """The sampling inputs of the step's sampling rows (logits rows, in order). ``pending_tokens``:
+        each sampling row's last input token on the device (the previous step's sample where the host
+        does not know it yet), for penalties."""
+        rows = [out.scheduled[i] for i in plan.sample_rows]
+        slots = np.fromiter((self.slot_of[r.request_id] for r in rows), np.int64, count=len(rows))
+        device_slots = self.to_device(slots)
+        offsets = np.fromiter((r.num_output_tokens for r in rows), np.int64, count=len(rows))
+        temperature_host = self.temperature_host[slots]
+        banned = [
+            self.banned_ids[s] if r.num_output_tokens < self.min_tokens[s] else []
+            for s, r in zip(slots, rows, strict=True)
+        ]
+        uses_penalties = self.uses_penalties[slots]
+        pending = None
+        if uses_penalties.any() and pending_tokens is not None:
+            is_pending = self.to_device(np.array([r.last_token_pending for r in rows]))
+            pending = torch.where(is_pending, pending_tokens, torch.full_like(pending_tokens, -1))
+        empty = np.zeros(0, dtype=np.int64)
+        return SamplingMetadata.from_arrays(
+            temperature=self.temperature[device_slots],
+            seeds=self.seeds[device_slots],
+            offsets=self.to_device(offsets),
+            top_k=self.top_k[slots],
+            top_p=self.top_p[slots],
+            min_p=self.min_p[slots],
+            presence=self.presence[slots],
+            frequency=self.frequency[slots],
+            repetition=self.repetition[slots],
+            output_token_ids=[r.output_token_ids if r.output_token_ids is not None else empty for r in rows],
+            prompt_token_ids=[self.prompt_ids[s] for s in slots],
+            banned_token_ids=banned,
+            num_logprobs=self.num_logprobs[slots],
+            pending_token_ids=pending,
+            greedy=temperature_host == 0.0,
+        )

@@ -1,0 +1,153 @@
+"""Text, messages or token ids in; validated, tokenized EngineRequests out (one per completion)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nanoinfer.config import EngineConfig
+from nanoinfer.engine.request import EngineRequest
+from nanoinfer.sampling_params import SamplingParams, derive_seed
+
+PromptType = str | list[int] | dict
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """Completion 0 uses the request's seed as is (so n=1 and n>1 agree on it); the others derive theirs.
+    Negative indices: distinct from the seeds derived from it elsewhere (index >= 0). The result is the
+    seed's 64 bits as a signed int64 (any Python int is a valid seed)."""
+    value = (seed if index == 0 else derive_seed(seed, -index)) & ((1 << 64) - 1)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The core's id of completion ``index`` of a request of ``n`` completions."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+@dataclass
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # a validated snapshot
+    children: list[EngineRequest]  # one per completion, in completion order
+    arrival_time: float
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any, num_kv_blocks: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.hf_config.vocab_size
+        self.num_kv_blocks = num_kv_blocks
+        self.eos_token_ids = self._eos_token_ids()
+        # Seeds of requests that name none: every request samples from noise of its own seed.
+        self._seeds = random.Random(config.seed)
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        gen_eos = getattr(self.config.hf_config, "eos_token_id", None)
+        for value in (self.tokenizer.eos_token_id, gen_eos):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list | tuple):
+                ids.update(v for v in value if isinstance(v, int))
+        return tuple(sorted(ids))
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        return list(ids)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> ProcessedRequest:
+        """Validates and tokenizes a request; raises ValueError naming what is wrong."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        # A validated snapshot: the caller may reuse or change its object while this request runs.
+        params = dataclasses.replace(params)
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        max_len = self.config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens long, more than max_model_len={max_len} "
+                "(the maximum context length)"
+            )
+        bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad_stops[:5]}")
+        self._check_kv_fit(len(token_ids), params)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        n = params.n
+        if params.seed is not None:
+            seeds = [completion_seed(params.seed, i) for i in range(n)]
+        else:
+            seeds = [self._seeds.getrandbits(63) for _ in range(n)]
+        eos = () if params.ignore_eos else self.eos_token_ids
+        block_size = self.config.kvcache_block_size
+        # Siblings wait for the first completion's prompt blocks only if there are full blocks to share.
+        shareable = self.config.enable_prefix_caching and (len(token_ids) - 1) // block_size > 0
+        leader = child_request_id(request_id, 0, n) if shareable else None
+        children = [
+            EngineRequest(
+                request_id=child_request_id(request_id, i, n),
+                prompt_token_ids=token_ids,
+                params=params,
+                seed=seeds[i],
+                eos_token_ids=eos,
+                leader_id=leader if i > 0 else None,
+                arrival_time=arrival_time,
+            )
+            for i in range(n)
+        ]
+        # The first completion computes the prompt logprobs; the others need none.
+        for child in children[1:]:
+            if params.prompt_logprobs is not None:
+                child.params = dataclasses.replace(params, prompt_logprobs=None)
+        return ProcessedRequest(request_id, text, token_ids, params, children, arrival_time)
+
+    def _check_kv_fit(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Every token that ever needs K/V (all but the last sampled one) must fit in the whole pool."""
+        max_len = self.config.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len
+        kv_tokens = min(num_prompt_tokens + max_tokens - 1, max_len)
+        block_size = self.config.kvcache_block_size
+        needed = -(-kv_tokens // block_size)
+        if needed > self.num_kv_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks ({kv_tokens} tokens) but the KV cache holds only "
+                f"{self.num_kv_blocks} blocks of {block_size} tokens; shorten the prompt or max_tokens"
+            )

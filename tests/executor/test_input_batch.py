@@ -1,0 +1,109 @@
+"""The persistent batch: slots, block-table diffs, decode rows first, pending inputs, sampling arrays."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import torch
+
+from nanoinfer.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from nanoinfer.executor.input_batch import InputBatch
+from nanoinfer.sampling_params import SamplingParams
+
+BS = 16
+
+
+def new_request(request_id: str, block_ids: list[int], params: SamplingParams | None = None, seed=0):
+    return NewRequestData(request_id, params or SamplingParams(), seed, block_ids, [], None)
+
+
+def row(request_id, start, tokens, new_blocks, samples=True, pending=False, **extra):
+    return ScheduledRequest(
+        request_id=request_id,
+        start_pos=start,
+        num_tokens=len(tokens) + int(pending),
+        token_ids=list(tokens),
+        last_token_pending=pending,
+        new_block_ids=list(new_blocks),
+        samples=samples,
+        num_output_tokens=extra.pop("num_output_tokens", 0),
+        **extra,
+    )
+
+
+def test_rows_come_decode_first_with_positions_slots_and_table_diffs():
+    batch = InputBatch(max_num_seqs=4, max_blocks_per_seq=8, block_size=BS, device=torch.device("cpu"))
+    prompt = SamplingParams(prompt_logprobs=1)
+    first = SchedulerOutput(
+        scheduled=[
+            row("p", 0, [5, 6, 7], [3], samples=False, prompt_logprob_targets=[6, 7, 8]),
+            row("d", 39, [9], [3, 4, 8]),
+        ],
+        new_requests={"p": new_request("p", [3], prompt), "d": new_request("d", [3, 4, 8])},
+    )
+    step, plan = batch.prepare(first)
+    assert plan.row_order == [1, 0]  # the one-token row first
+    np.testing.assert_array_equal(step.input_ids, [9, 5, 6, 7])
+    np.testing.assert_array_equal(step.positions, [39, 0, 1, 2])
+    np.testing.assert_array_equal(step.slot_mapping, [8 * BS + 7, 3 * BS, 3 * BS + 1, 3 * BS + 2])
+    np.testing.assert_array_equal(step.query_start_loc, [0, 1, 4])
+    np.testing.assert_array_equal(step.seq_lens, [40, 3])
+    assert step.num_decode_rows == 1 and (step.max_query_len, step.max_seq_len) == (3, 40)
+    np.testing.assert_array_equal(step.logits_index, [0])
+    np.testing.assert_array_equal(step.prompt_logprob_index, [1, 2, 3])
+    assert plan.sample_rows == [1] and plan.prompt_logprob_rows == [(0, 3)]
+    # Only the new block ids travel, into the rows' slots.
+    slot_d, slot_p = batch.slot_of["d"], batch.slot_of["p"]
+    assert sorted(zip(step.table_slots, step.table_cols, step.table_block_ids, strict=True)) == sorted(
+        [(slot_p, 0, 3), (slot_d, 0, 3), (slot_d, 1, 4), (slot_d, 2, 8)]
+    )
+    assert b"SamplingParams" not in pickle.dumps(step)
+
+    # Next step: d decodes on its pending token (the previous step's sample), p starts a new block.
+    batch.previous_sample_row = {"d": 0}
+    second = SchedulerOutput(
+        scheduled=[row("p", 3, list(range(20)), [11], samples=False), row("d", 40, [], [], pending=True)],
+        finished_request_ids=[],
+    )
+    step, plan = batch.prepare(second)
+    assert step.num_decode_rows == 1 and plan.row_order == [1, 0]
+    np.testing.assert_array_equal(step.pending_index, [0])
+    np.testing.assert_array_equal(step.pending_source, [0])
+    assert list(zip(step.table_slots, step.table_cols, step.table_block_ids, strict=True)) == [
+        (slot_p, 1, 11)
+    ]
+    np.testing.assert_array_equal(step.slot_mapping[[0, 1, -1]], [8 * BS + 8, 3 * BS + 3, 11 * BS + 6])
+
+    # A finished request frees its slot for the next one.
+    third = SchedulerOutput(
+        scheduled=[row("n", 0, [1, 2], [5])],
+        new_requests={"n": new_request("n", [5])},
+        finished_request_ids=["d"],
+    )
+    batch.prepare(third)
+    assert "d" not in batch.slot_of and batch.slot_of["n"] == slot_d
+
+
+def test_sampling_arrays_follow_the_slots():
+    batch = InputBatch(max_num_seqs=4, max_blocks_per_seq=4, block_size=BS, device=torch.device("cpu"))
+    params = {
+        "g": SamplingParams(temperature=0.0),
+        "t": SamplingParams(temperature=0.7),
+        "k": SamplingParams(temperature=1.0, top_k=5, min_tokens=3, logprobs=2),
+    }
+    out = SchedulerOutput(
+        scheduled=[row(name, 0, [1, 2], [i], num_output_tokens=i) for i, name in enumerate(params)],
+        new_requests={
+            name: new_request(name, [i], p, seed=100 + i) for i, (name, p) in enumerate(params.items())
+        },
+    )
+    out.new_requests["k"].min_tokens_banned_ids = [7]
+    step, plan = batch.prepare(out)
+    metadata = batch.sampling_metadata(out, plan, None)
+    assert metadata.temperature.tolist() == [0.0, 0.699999988079071, 1.0]
+    assert metadata.greedy.tolist() == [True, False, False]
+    assert metadata.seeds.tolist() == [100, 101, 102] and metadata.offsets.tolist() == [0, 1, 2]
+    assert metadata.top_k.tolist() == [0, 0, 5] and metadata.top_p is None and metadata.min_p is None
+    assert metadata.banned == [(2, [7])]  # 2 tokens generated, min_tokens 3
+    assert metadata.num_logprobs.tolist() == [-1, -1, 2] and metadata.penalties is None
