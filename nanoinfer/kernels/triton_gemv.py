@@ -65,6 +65,20 @@ def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
 
 
 @triton.jit
+def _load_tiles(w_rows, x_rows, k0, k_stop, col_mask, row_mask, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] and the x tile [BLOCK_M, BLOCK_K] at k0 (zeros past k_stop)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if EVEN:
+        w = tl.load(w_rows + ks[None, :])
+        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None], other=0.0)
+    else:
+        k_mask = ks < k_stop
+        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -101,19 +115,28 @@ def _gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN:
-            w = tl.load(w_rows + ks[None, :])
-            x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None], other=0.0)
-        else:
-            k_mask = ks < k_stop
-            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_DOT:
+    if USE_DOT:
+        # Triton pipelines these loads through shared memory (num_stages).
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            w, x = _load_tiles(w_rows, x_rows, k0, k_stop, col_mask, row_mask, BLOCK_K, EVEN)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    else:
+        # Loads that do not feed a dot are not pipelined by Triton: the next tile is requested before
+        # the current one is used, so that two tiles per program are in flight. One row accumulates
+        # elementwise and reduces once at the end; more rows reduce every tile (registers).
+        w, x = _load_tiles(w_rows, x_rows, k_start, k_stop, col_mask, row_mask, BLOCK_K, EVEN)
+        acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            w_next, x_next = _load_tiles(
+                w_rows, x_rows, k0 + BLOCK_K, k_stop, col_mask, row_mask, BLOCK_K, False
+            )
+            if BLOCK_M == 1:
+                acc_k += w.to(tl.float32) * x.to(tl.float32)
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            w, x = w_next, x_next
+        if BLOCK_M == 1:
+            acc = tl.sum(acc_k, axis=1)[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
     out_mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:

@@ -9,6 +9,7 @@ from tests.kernels.helpers import (
     DTYPE,
     DTYPES,
     fp8_scales,
+    fp8_store,
     generator,
     gpu_only,
     randn,
@@ -55,17 +56,16 @@ def test_store_kvcache_matches_reference(block_size, num_kv_heads, head_dim, dty
     assert torch.equal(v_cache, expected_v)
 
 
-@gpu_only
+@fp8_store
 @pytest.mark.parametrize("scales", [(0.05, 0.02), None])
 def test_store_kvcache_fp8_matches_reference(scales):
-    # Triton's interpreter rounds float32 -> e4m3 wrongly, so the FP8 store runs on the GPU only.
     kernels = _kernels()
     gen = generator(3)
     num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 6, 16, 8, 128, 60
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), device=DEVICE).to(FP8_DTYPE)
     v_cache = k_cache.clone()
-    _, key, value = _qkv_views(gen, num_tokens, 16, num_kv_heads, head_dim, torch.bfloat16)
+    _, key, value = _qkv_views(gen, num_tokens, 16, num_kv_heads, head_dim, DTYPE)
     key.mul_(20)  # past 448 / k_scale for some values: clamped, never NaN
     k_scale, v_scale = fp8_scales(*scales) if scales else (None, None)
     slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:num_tokens]
@@ -80,7 +80,7 @@ def test_store_kvcache_fp8_matches_reference(scales):
 DECODE_CASES = [
     # seq_lens, num_heads, num_kv_heads, head_dim, block_size
     ([1, 7, 16, 17, 100], 6, 3, 64, 16),
-    ([0, 33, 300, 0], 4, 2, 64, 16),  # seq_len 0: CUDA-graph padding rows
+    ([0, 33, 300, 0], 4, 4, 64, 16),  # MHA; seq_len 0: CUDA-graph padding rows
     ([129, 2, 64], 8, 1, 64, 256),  # group of 8 (MQA)
     ([250], 8, 2, 128, 16),  # batch 1: many splits
     ([40, 90], 14, 2, 64, 16),  # group of 7: padded query rows
