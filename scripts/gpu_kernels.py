@@ -1179,6 +1179,9 @@ def time_mock_step(gen, quick):
 # ----------------------------------------------------------------------------------------------------
 
 
+H200_MAX_SHARED_BYTES = 232448  # per block, opted in (227 KiB)
+
+
 def compile_only(quick: bool) -> int:
     """Compiles (never runs) each kernel launch this script makes, for an H200 (sm_90), with Triton's
     bundled ptxas: a fake driver reports the target and every launch becomes a warm-up."""
@@ -1204,6 +1207,8 @@ def compile_only(quick: bool) -> int:
     def warm_up_only(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         compiled.append(self.__name__)
+        if kernel.metadata.shared > H200_MAX_SHARED_BYTES:
+            raise ValueError(f"{self.__name__} needs {kernel.metadata.shared} bytes of shared memory")
         return kernel
 
     JITFunction.run = warm_up_only
@@ -1422,7 +1427,7 @@ def main() -> int:
             guarded(name, stages[name])
             RESULTS["wall_s"] = time.perf_counter() - started
             (out_dir / "gpu_kernels.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    width = max(len(k) for k, _ in TABLE)
+    width = max((len(k) for k, _ in TABLE), default=0)
     print("\n" + "=" * 120)
     for key, value in TABLE:
         print(f"{key:<{width}}  {value}")

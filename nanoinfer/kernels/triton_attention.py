@@ -30,9 +30,9 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 _DECODE_NO_SPLIT_PROGRAMS_PER_SM = 3
 # Decode modes (the kernel's MODE): one split; splits merged by a second kernel; splits merged by the
 # last split program of each (sequence, kv head) to finish, found with an atomic counter.
-_MODE_SINGLE = 0
-_MODE_MERGE_KERNEL = 1
-_MODE_FUSED = 2
+_MODE_SINGLE = tl.constexpr(0)
+_MODE_MERGE_KERNEL = tl.constexpr(1)
+_MODE_FUSED = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -433,11 +433,11 @@ def _decode_kernel(
     # Splits are sized on the device from this sequence's length (whole key tiles), so the grid only
     # depends on static shapes. The merge-kernel mode keeps every grid split (those past the end have
     # an empty range); the fused mode uses only as many as the sequence needs.
-    if MODE == 2:
+    if MODE == _MODE_FUSED:
         tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits), MIN_SPLIT_TILES)
         split_len = tiles_per_split * BLOCK_N
         used_splits = tl.maximum(tl.cdiv(seq_len, split_len), 1)
-    elif MODE == 1:
+    elif MODE == _MODE_MERGE_KERNEL:
         split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         used_splits = num_splits
     else:
@@ -476,7 +476,7 @@ def _decode_kernel(
         # Empty ranges (seq_len 0, or a split past the end) give l_i == 0: output 0, lse -inf.
         has_keys = l_i > 0.0
         acc = acc * (_load_scale(v_scale_ptr, V_SCALED) / tl.where(has_keys, l_i, 1.0))[:, None]
-        if MODE == 1:
+        if MODE == _MODE_MERGE_KERNEL:
             _store_partial(
                 partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split, group,
                 num_splits, HEAD_DIM,
@@ -677,11 +677,11 @@ def _launch_decode(
     batch, num_heads, head_dim = query.shape
     num_kv_heads = num_heads // group
     if num_splits == 1:
-        mode = _MODE_SINGLE
+        mode = _MODE_SINGLE.value
         partial_out = partial_lse = out  # unused by the kernel
         counters = seq_lens
     else:
-        mode = _MODE_FUSED if config.mode == "fused" else _MODE_MERGE_KERNEL
+        mode = (_MODE_FUSED if config.mode == "fused" else _MODE_MERGE_KERNEL).value
         workspace = _decode_workspace(
             workspace, batch, num_heads, num_kv_heads, head_dim, num_splits, query.device
         )
@@ -725,7 +725,7 @@ def _launch_decode(
         **_scale_args(k_scale, v_scale, out),
         **options,
     )
-    if mode == _MODE_MERGE_KERNEL:
+    if mode == _MODE_MERGE_KERNEL.value:
         _decode_merge_kernel[(batch, num_heads)](
             partial_out,
             partial_lse,
