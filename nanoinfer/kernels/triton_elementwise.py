@@ -454,7 +454,8 @@ def qk_norm_rope_store(
     _check_cache_for_store(k_cache, v_cache, num_kv_heads, head_dim)
     store = k_cache.numel() > 0
     fp8 = store and k_cache.dtype == FP8_DTYPE
-    check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    if store:  # without a cache yet (warm-up) the scales have nothing to apply to
+        check_kv_scales(k_cache.dtype, k_scale, v_scale)
     heads = qkv.unflatten(1, (num_heads + 2 * num_kv_heads, head_dim))
     views = (
         heads[:, :num_heads],
@@ -492,8 +493,8 @@ def qk_norm_rope_store(
         K_NORM=k_norm_weight is not None,
         STORE_KV=store,
         FP8_KV=fp8,
-        K_SCALED=k_scale is not None,
-        V_SCALED=v_scale is not None,
+        K_SCALED=fp8 and k_scale is not None,
+        V_SCALED=fp8 and v_scale is not None,
         USE_PDL=pdl,
         num_warps=max(1, min(8, per_program * head_dim // 256)),
         **launch_options(pdl, qkv.device),

@@ -162,6 +162,9 @@ def test_qk_norm_rope_without_cache_only_rotates(dtype):
     qk_norm_rope_store_ref(expected, *args)
     kernels.qk_norm_rope_store(qkv, *args)
     assert_close(qkv, expected, dtype)
+    # An FP8 model's scales are passed from the start; with no cache yet they have nothing to apply to.
+    scales = fp8_scales(0.1, 0.1)
+    kernels.qk_norm_rope_store(qkv.clone(), *args, *scales)
 
 
 def test_rope_reference_matches_the_layer():
