@@ -90,7 +90,7 @@ ROPE_CASES = [
     # num_tokens, num_heads, num_kv_heads, head_dim, block_size, qk_norm, heads_per_program
     (1, 4, 2, 64, 16, True, None),
     (7, 5, 1, 64, 16, False, None),  # odd head count, MQA, no QK-norm (Llama, Qwen2)
-    (33, 8, 8, 64, 256, True, 4),
+    (33, 4, 4, 64, 256, True, 4),
     (7, 6, 3, 128, 16, True, 16),  # more heads per program than heads: masked rows
     (0, 4, 2, 64, 16, True, None),
 ]
