@@ -1,75 +1,181 @@
-"""Check and time the Triton attention kernels on a CUDA GPU.
+"""Check and time nanoinfer's Triton kernels on a CUDA GPU (one run of about 4 minutes on an H200).
 
-1. Correctness (bf16) over a grid of shapes against the pure-PyTorch reference: store_kvcache, decode,
-   prefill with and without a cached prefix, decode replayed in a CUDA graph.
-2. Timing: store_kvcache; decode at batch 256 x context 1024 (Qwen3-0.6B attention shape) as effective
-   KV bandwidth; decode latency at batch 1 x 512.
-3. Prefill timing against the torch reference and torch's FlashAttention varlen kernel.
+1. Correctness against the pure-PyTorch references, in bf16 and with an FP8 (e4m3) KV cache, every
+   output poisoned with NaN first (relative error under 1e-2, nothing left unwritten): the fused
+   elementwise kernels, the sampler (noise bit for bit; tokens by achieved perturbed score), GEMV,
+   the KV store, decode (every variant, eager and CUDA-graph replay), prefill (every configuration).
+2. Timing, in CUDA-graph replay (per call, averaged over a captured run of calls) unless noted:
+   the elementwise kernels against the torch reference at T = 1 and 256 (Qwen3-0.6B sizes); the
+   sampler against softmax + exponential + argmax at batch 1 and 256 x 151,936; GEMV configurations
+   against cuBLAS for each Qwen3-0.6B projection at M = 1, 2, 4, 8, 16 (weight-read TB/s); decode
+   variants at batch x context 1x600, 8x600, 64x1024, 256x1024 (bf16 and FP8 KV, KV TB/s); prefill
+   configurations on a 16,384-token batch of 29 sequences (eager: milliseconds per call); a 28-layer
+   mock decode step at batch 1 and 16 built from these kernels, with and without programmatic
+   dependent launch, and with cuBLAS projections.
+Writes $OUT/gpu_kernels.json (default: the current directory) and prints a table last. A failing
+section is reported and the others still run; the exit status is 1 if any check or section failed.
 
-Writes everything to $OUT/gpu_kernels.json (default: the current directory) and prints a table.
-Usage: python3 scripts/gpu_kernels.py [--quick]
+Usage: python3 scripts/gpu_kernels.py [--quick] [--only SECTION ...] [--compile-only]
+  --quick         correctness on a smaller grid and fewer timed variants (scripts/gpu_check.py runs it)
+  --compile-only  no GPU needed: compiles every kernel and configuration used here for sm_90 (Triton's
+                  own ptxas), to catch compile errors before a GPU run
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import inspect
 import json
 import math
 import os
 import sys
 import time
 import traceback
+import types
+from collections.abc import Callable
 from functools import partial
 from itertools import accumulate
 from pathlib import Path
 
 import torch
-import triton
-from triton.testing import do_bench
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    # Loaded by path so that this script only depends on the kernel modules, not on the whole package.
-    spec = importlib.util.spec_from_file_location(
-        f"_gpu_kernels_{name}", REPO / "nanoinfer" / "kernels" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = _load("attention_ref")
-kernels = _load("triton_attention")
-varlen = _load("varlen_prefill")
+# The kernel modules only: a bare `nanoinfer` package stub keeps the engine's own imports (transformers,
+# the server) out of this script, so it runs with torch and Triton alone.
+if "nanoinfer" not in sys.modules:
+    _package = types.ModuleType("nanoinfer")
+    _package.__path__ = [str(REPO / "nanoinfer")]
+    sys.modules["nanoinfer"] = _package
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn
 TOLERANCE = 1e-2
 RESULTS: dict = {"correctness": [], "timing": {}}
 TABLE: list[tuple[str, str]] = []
+
+# Qwen3-0.6B
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, LAYERS, EPS = 1024, 16, 8, 128, 3072, 151936, 28, 1e-6
+# Timed shapes: decode batch x context; the prefill batch (tokens, sequences, length range); the mock
+# decode step's batches and context; the sampler's batches.
+DECODE_SHAPES = [(1, 600), (8, 600), (64, 1024), (256, 1024)]
+PREFILL_BATCH = {"total": 16384, "count": 29, "low": 100, "high": 1024}
+MOCK_STEP_BATCHES, MOCK_STEP_CONTEXT = (1, 16), 600
+SAMPLER_BATCHES = (1, 256)
+PROJECTIONS = {  # name: (N, K) of the weight [N, K]
+    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    "o": (HIDDEN, HEADS * HEAD_DIM),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+    "lm_head": (VOCAB, HIDDEN),
+}
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _modules():
+    import nanoinfer.kernels.attention_ref as attention_ref
+    import nanoinfer.kernels.elementwise_ref as elementwise_ref
+    import nanoinfer.kernels.gemv_ref as gemv_ref
+    import nanoinfer.kernels.sampling_ref as sampling_ref
+    import nanoinfer.kernels.triton_attention as triton_attention
+    import nanoinfer.kernels.triton_elementwise as triton_elementwise
+    import nanoinfer.kernels.triton_gemv as triton_gemv
+    import nanoinfer.kernels.triton_sampling as triton_sampling
+
+    return types.SimpleNamespace(
+        aref=attention_ref,
+        eref=elementwise_ref,
+        gref=gemv_ref,
+        sref=sampling_ref,
+        attn=triton_attention,
+        elem=triton_elementwise,
+        gemv=triton_gemv,
+        samp=triton_sampling,
+    )
+
+
+K = None  # the kernel modules, loaded in main() (after --compile-only has set up its fake driver)
+
+
 # ----------------------------------------------------------------------------------------------------
-# Random paged inputs
+# Shared helpers
 # ----------------------------------------------------------------------------------------------------
+
+
+def rel_error(out, expected) -> float:
+    return ((out.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-6)).item()
+
+
+def record(kind: str, params: dict, ok: bool, err: float | None = None, note: str = "") -> None:
+    RESULTS["correctness"].append({"kind": kind, **params, "pass": bool(ok), "rel_error": err, "note": note})
+    desc = " ".join(f"{k}={v}" for k, v in params.items())
+    err_s = "" if err is None else f" err={err:.2e}"
+    log(f"{'PASS' if ok else 'FAIL'} {kind:10s} {desc}{err_s} {note}")
+
+
+def check_close(kind: str, params: dict, out: torch.Tensor, expected: torch.Tensor, note: str = "") -> None:
+    nan = bool(out.isnan().any())
+    err = rel_error(out, expected)
+    record(kind, params, (not nan) and err < TOLERANCE, err, note + (" NaN left!" if nan else ""))
+
+
+def poison(*shape, dtype=DTYPE) -> torch.Tensor:
+    return torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
+
+
+def randn(gen, *shape, dtype=DTYPE, scale=1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype)
+
+
+def bench(fn, rep=100) -> float:
+    """Median milliseconds per call, eager."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def graph_bench(fn, calls=20, rep=60) -> float:
+    """Milliseconds per call of ``fn`` replayed in a CUDA graph holding ``calls`` calls back to back
+    (launch gaps between consecutive calls count; the graph launch itself is amortised)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    ms = bench(graph.replay, rep) / calls
+    del graph
+    return ms
+
+
+def num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def cos_sin_table(max_position: int, head_dim: int, theta: float = 1e6) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
 
 
 class Paged:
-    """Random K/V scattered into a shuffled block pool, and the block tables pointing at it."""
+    """Random K/V scattered into a shuffled block pool, and the block tables pointing at it. With
+    ``fp8_scales`` the pool is e4m3, quantized by the reference."""
 
-    def __init__(self, gen, seq_lens, num_kv_heads, head_dim, block_size, spare_blocks=4):
+    def __init__(self, gen, seq_lens, num_kv_heads, head_dim, block_size, fp8_scales=None, width=None):
         self.seq_lens_list = list(seq_lens)
         blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-        width = max(blocks_per_seq + [1])
-        num_blocks = sum(blocks_per_seq) + spare_blocks
+        width = max(blocks_per_seq + [1, width or 1])
+        num_blocks = sum(blocks_per_seq) + 4
         perm = torch.randperm(num_blocks, generator=gen, device=DEVICE).int()
         # Row-strided view; unused entries name a real block so reads past seq_len give wrong data.
         storage = torch.full((len(seq_lens), width + 2), num_blocks - 1, dtype=torch.int32, device=DEVICE)
@@ -80,42 +186,47 @@ class Paged:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
         self.v_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
+        self.k_scale = self.v_scale = None
+        if fp8_scales is not None:
+            self.k_scale, self.v_scale = fp8_scales
+            self.k_cache = K.aref.quantize_fp8_ref(self.k_cache, self.k_scale)
+            self.v_cache = K.aref.quantize_fp8_ref(self.v_cache, self.v_scale)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         self.kv_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * self.k_cache.element_size()
 
+    @property
+    def scales(self) -> dict:
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
-def qkv_views(gen, num_tokens, num_heads, num_kv_heads, head_dim):
-    qkv = torch.randn(
-        num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen, device=DEVICE, dtype=DTYPE
-    )
+
+def fp8_scales(k=0.05, v=0.02):
+    # Randn values of up to about 5 over these scales stay well inside e4m3's +-448.
     return (
-        qkv[:, :num_heads],
-        qkv[:, num_heads : num_heads + num_kv_heads],
-        qkv[:, num_heads + num_kv_heads :],
+        torch.tensor([k], dtype=torch.float32, device=DEVICE),
+        torch.tensor([v], dtype=torch.float32, device=DEVICE),
     )
-
-
-def num_sms() -> int:
-    return kernels._num_sms(torch.device(DEVICE))
-
-
-def rel_error(out, expected) -> float:
-    return ((out.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-6)).item()
-
-
-def record(kind: str, params: dict, ok: bool, err: float | None = None, note: str = "") -> None:
-    RESULTS["correctness"].append({"kind": kind, **params, "pass": ok, "rel_error": err, "note": note})
-    desc = " ".join(f"{k}={v}" for k, v in params.items())
-    err_s = "" if err is None else f" err={err:.2e}"
-    log(f"{'PASS' if ok else 'FAIL'} {kind:8s} {desc}{err_s} {note}")
 
 
 def causal_flops(seq_lens, q_lens, num_heads, head_dim) -> float:
     total = 0
     for s, q in zip(seq_lens, q_lens, strict=True):
-        # query i at position s-q+i sees s-q+i+1 keys
-        total += q * (s - q) + q * (q + 1) / 2
+        total += q * (s - q) + q * (q + 1) / 2  # query i at position s-q+i sees s-q+i+1 keys
     return 4.0 * total * num_heads * head_dim
+
+
+def prefill_batch_lengths(total: int, count: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """Sequence lengths like the benchmark's prefill steps: ``count`` sequences in [low, high]
+    summing to ``total``."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(low, high + 1, (count,), generator=gen).double()
+    lens = (lens * total / lens.sum()).round().clamp(low, high).long().tolist()
+    i = 0
+    while sum(lens) != total:
+        step = 1 if sum(lens) < total else -1
+        if low <= lens[i % count] + step <= high:
+            lens[i % count] += step
+        i += 1
+    return lens
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -123,116 +234,217 @@ def causal_flops(seq_lens, q_lens, num_heads, head_dim) -> float:
 # ----------------------------------------------------------------------------------------------------
 
 
+def check_elementwise(gen, token_counts=(1, 7, 256, 4097)):
+    for tokens in token_counts:
+        x = randn(gen, tokens, HIDDEN + 64)[:, :HIDDEN]  # row-strided
+        weight = randn(gen, HIDDEN)
+        out = poison(tokens, HIDDEN)
+        K.elem.rms_norm(x, weight, EPS, out=out)
+        check_close("rms_norm", {"T": tokens}, out, K.eref.rms_norm_ref(x, weight, EPS))
+
+        x = randn(gen, tokens, HIDDEN)
+        residual = randn(gen, tokens, HIDDEN)
+        expected_x, expected_r = K.eref.add_rms_norm_ref(x.clone(), residual.clone(), weight, EPS)
+        K.elem.add_rms_norm(x, residual, weight, EPS)
+        check_close("add_norm", {"T": tokens, "out": "residual"}, residual, expected_r)
+        check_close("add_norm", {"T": tokens, "out": "x"}, x, expected_x)
+
+        gate_up = randn(gen, tokens, 2 * INTER)
+        out = poison(tokens, INTER)
+        K.elem.silu_and_mul(gate_up, out=out)
+        check_close("silu_mul", {"T": tokens}, out, K.eref.silu_and_mul_ref(gate_up))
+
+
+def check_qk_norm_rope_store(gen, token_counts=(1, 33, 256)):
+    cos_sin = cos_sin_table(4096, HEAD_DIM)
+    for tokens in token_counts:
+        for block_size in (16, 256):
+            for cache_dtype in (DTYPE, FP8):
+                for qk_norm in (True, False):
+                    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+                    qkv = randn(gen, tokens, width)
+                    positions = torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE)
+                    num_blocks = max(4, 2 * math.ceil(tokens / block_size))
+                    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:tokens]
+                    slots[::5] = -1
+                    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+                    k_cache = torch.full(shape, float("nan"), device=DEVICE).to(cache_dtype)
+                    v_cache = k_cache.clone()
+                    scales = fp8_scales(0.02, 0.01) if cache_dtype == FP8 else (None, None)
+                    weights = (randn(gen, HEAD_DIM), randn(gen, HEAD_DIM)) if qk_norm else (None, None)
+                    args = (positions, cos_sin, HEADS, KV_HEADS, HEAD_DIM, *weights, EPS)
+                    exp_qkv, exp_k, exp_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+                    K.eref.qk_norm_rope_store_ref(exp_qkv, *args, exp_k, exp_v, slots, *scales)
+                    K.elem.qk_norm_rope_store(qkv, *args, k_cache, v_cache, slots, *scales)
+                    params = {
+                        "T": tokens,
+                        "bs": block_size,
+                        "cache": str(cache_dtype).split(".")[-1],
+                        "norm": qk_norm,
+                    }
+                    check_close("rope_qkv", params, qkv, exp_qkv)
+                    valid = slots >= 0
+                    for name, got, exp in (("k", k_cache, exp_k), ("v", v_cache, exp_v)):
+                        got_rows = got.view(-1, KV_HEADS, HEAD_DIM)[slots[valid]].float()
+                        exp_rows = exp.view(-1, KV_HEADS, HEAD_DIM)[slots[valid]].float()
+                        untouched = got.float().isnan().sum() == exp.float().isnan().sum()
+                        err = rel_error(got_rows, exp_rows)
+                        # FP8: one e4m3 step (2^-3) where the kernel's bf16 k differs in its last bit.
+                        limit = 0.03 if cache_dtype == FP8 else TOLERANCE
+                        ok = bool(untouched) and not bool(got_rows.isnan().any()) and err < limit
+                        record(f"rope_{name}", params, ok, err, "" if untouched else "wrote other slots!")
+        empty = torch.empty(0, device=DEVICE, dtype=DTYPE)
+        qkv = randn(gen, tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        positions = torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE)
+        slots = torch.zeros(tokens, dtype=torch.long, device=DEVICE)
+        weight = randn(gen, HEAD_DIM)
+        args = (positions, cos_sin, HEADS, KV_HEADS, HEAD_DIM, weight, weight, EPS, empty, empty, slots)
+        expected = qkv.clone()
+        K.eref.qk_norm_rope_store_ref(expected, *args)
+        K.elem.qk_norm_rope_store(qkv, *args)
+        check_close("rope_qkv", {"T": tokens, "cache": "none"}, qkv, expected)
+
+
+def check_sampler(gen, batches=(1, 7, 256)):
+    for batch in batches:
+        seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen, device=DEVICE)
+        offsets = torch.randint(0, 2**40, (batch,), generator=gen, device=DEVICE)
+        same = torch.equal(
+            K.samp.uniform_noise(seeds, offsets, VOCAB), K.sref.uniform_noise_ref(seeds, offsets, VOCAB)
+        )
+        record("noise", {"B": batch, "V": VOCAB}, same, note="bit-identical to the torch reference")
+        for dtype in (torch.bfloat16, torch.float32):
+            logits = randn(gen, batch, VOCAB + 128, dtype=dtype, scale=4.0)[:, :VOCAB]  # row-strided
+            temperature = torch.rand(batch, generator=gen, device=DEVICE) * 1.5
+            temperature[::3] = 0.0
+            out = torch.full((batch,), -1, dtype=torch.int64, device=DEVICE)
+            K.samp.gumbel_sample(logits, temperature, seeds, offsets, out=out)
+            scores = K.sref.gumbel_scores_ref(logits, temperature, seeds, offsets)
+            best = scores.max(dim=1).values
+            valid = bool(((out >= 0) & (out < VOCAB)).all())
+            achieved = scores.gather(1, out.clamp(0, VOCAB - 1).unsqueeze(1)).squeeze(1)
+            gap = (best - achieved).max().item()
+            ok = valid and gap <= 1e-5 * max(1.0, best.abs().max().item())
+            agree = (out == scores.argmax(dim=1)).float().mean().item()
+            record(
+                "gumbel", {"B": batch, "dtype": str(dtype).split(".")[-1]}, ok, gap, f"same token {agree:.3f}"
+            )
+
+
+def check_gemv(gen):
+    for name, (n, k) in PROJECTIONS.items():
+        weight = randn(gen, n, k, scale=0.05)
+        for m in (1, 2, 4, 8, 16):
+            x = randn(gen, m, k)
+            out = poison(m, n)
+            K.gemv.gemv(x, weight, out=out)
+            check_close(
+                "gemv",
+                {"proj": name, "M": m},
+                out,
+                K.gref.gemv_ref(x, weight),
+                str(K.gemv.gemv_config(m, n, k)),
+            )
+    weight, bias = randn(gen, 300, 96), randn(gen, 300)
+    for config in (None, K.gemv.GemvConfig(16, 32, 3, True), K.gemv.GemvConfig(8, 32, 2)):
+        x = randn(gen, 5, 96)
+        out = poison(5, 300)
+        K.gemv.gemv(x, weight, bias, out=out, config=config)
+        check_close("gemv", {"shape": "5x96x300+bias"}, out, K.gref.gemv_ref(x, weight, bias), str(config))
+
+
 def check_store(gen, head_dim, block_size, num_kv_heads=8, num_tokens=300):
     num_blocks = math.ceil(num_tokens * 1.5 / block_size) + 2
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
-    v_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
-    _, key, value = qkv_views(gen, num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim)
+    qkv = randn(gen, num_tokens, 4 * num_kv_heads, head_dim, scale=8.0)
+    key, value = qkv[:, 2 * num_kv_heads : 3 * num_kv_heads], qkv[:, 3 * num_kv_heads :]
     slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:num_tokens]
     slots[torch.rand(num_tokens, generator=gen, device=DEVICE) < 0.2] = -1
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    ref.store_kvcache_ref(key, value, expected_k, expected_v, slots)
-    kernels.store_kvcache(key, value, k_cache, v_cache, slots)
-    ok = torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    record("store", {"D": head_dim, "bs": block_size, "T": num_tokens}, ok)
+    for cache_dtype in (DTYPE, FP8):
+        k_cache = torch.randn(shape, generator=gen, device=DEVICE).to(cache_dtype)
+        v_cache = torch.randn(shape, generator=gen, device=DEVICE).to(cache_dtype)
+        scales = fp8_scales() if cache_dtype == FP8 else (None, None)
+        expected_k, expected_v = k_cache.clone(), v_cache.clone()
+        K.aref.store_kvcache_ref(key, value, expected_k, expected_v, slots, *scales)
+        K.attn.store_kvcache(key, value, k_cache, v_cache, slots, *scales)
+        same = torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8)) and torch.equal(
+            v_cache.view(torch.uint8), expected_v.view(torch.uint8)
+        )
+        record("store", {"D": head_dim, "bs": block_size, "cache": str(cache_dtype).split(".")[-1]}, same)
 
 
-def check_decode(gen, head_dim, block_size, group, batch, max_ctx, num_kv_heads, zero_rows=0):
+def decode_configs(quick: bool) -> dict:
+    configs = {
+        "merge_kernel": K.attn.MERGE_KERNEL_DECODE,
+        "fused": K.attn.DEFAULT_DECODE,
+        "fused_n32": K.attn.DecodeConfig(block_n=32),
+        "fused_n16": K.attn.DecodeConfig(block_n=16),
+        "fused_n32_min2": K.attn.DecodeConfig(block_n=32, min_split_tiles=2),
+        "fused_n64_min2": K.attn.DecodeConfig(min_split_tiles=2),
+        "fused_t2": K.attn.DecodeConfig(target_programs_per_sm=2),
+        "fused_n32_w2": K.attn.DecodeConfig(block_n=32, num_warps=2),
+        "fused_s2": K.attn.DecodeConfig(num_stages=2),
+    }
+    return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32")} if quick else configs
+
+
+def check_decode(
+    gen, head_dim, block_size, group, batch, max_ctx, num_kv_heads, config_name, config, fp8=False
+):
     lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen, device=DEVICE)
     lens[0] = max_ctx
-    if zero_rows:
-        lens[-zero_rows:] = 0
-    paged = Paged(gen, lens.tolist(), num_kv_heads, head_dim, block_size)
+    if batch > 1:
+        lens[-1] = 0
+    paged = Paged(gen, lens.tolist(), num_kv_heads, head_dim, block_size, fp8_scales() if fp8 else None)
     num_heads = num_kv_heads * group
-    query, _, _ = qkv_views(gen, batch, num_heads, num_kv_heads, head_dim)
-    out = torch.full((batch, num_heads, head_dim), float("nan"), device=DEVICE, dtype=DTYPE)
+    query = randn(gen, batch, num_heads + 2 * num_kv_heads, head_dim)[:, :num_heads]
+    out = poison(batch, num_heads, head_dim)
     scale = head_dim**-0.5
-    kernels.paged_decode_attention(
-        query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale, out=out
-    )
+    args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale)
+    K.attn.paged_decode_attention(*args, out=out, config=config, **paged.scales)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
-    expected = ref.paged_attention_ref(
-        query, paged.k_cache, paged.v_cache, qsl, paged.seq_lens, paged.block_tables, scale
+    expected = K.aref.paged_attention_ref(
+        query, paged.k_cache, paged.v_cache, qsl, paged.seq_lens, paged.block_tables, scale, **paged.scales
     )
-    nan = bool(out.isnan().any())
-    err = rel_error(out, expected)
-    splits = kernels.decode_num_splits(
-        batch, num_kv_heads, paged.block_tables.shape[1] * block_size, num_sms()
+    splits = K.attn.decode_num_splits(
+        batch, num_kv_heads, paged.block_tables.shape[1] * block_size, num_sms(), config
     )
     zeros_ok = bool((out[paged.seq_lens == 0] == 0).all())
     params = {
-        "D": head_dim, "bs": block_size, "G": group, "Hkv": num_kv_heads, "B": batch, "max_ctx": max_ctx,
-    }  # fmt: skip
-    record(
-        "decode",
-        params,
-        (not nan) and err < TOLERANCE and zeros_ok,
-        err,
-        f"splits={splits}" + (" NaN!" if nan else ""),
-    )
-
-
-def check_prefill(gen, head_dim, block_size, group, batch, max_q, prefix, num_kv_heads, padding_rows=2):
-    host_gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=gen, device=DEVICE)))
-    q_lens = torch.randint(1, max_q + 1, (batch,), generator=host_gen).tolist()
-    q_lens[0] = max_q
-    if prefix:
-        prefixes = torch.randint(0, 3 * max_q + 1, (batch,), generator=host_gen).tolist()
-        prefixes[0] = 3 * max_q
-    else:
-        prefixes = [0] * batch
-    seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
-    paged = Paged(gen, seq_lens, num_kv_heads, head_dim, block_size)
-    num_heads = num_kv_heads * group
-    num_tokens = sum(q_lens) + padding_rows
-    query, _, _ = qkv_views(gen, num_tokens, num_heads, num_kv_heads, head_dim)
-    qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=DEVICE)
-    out = torch.full((num_tokens, num_heads, head_dim), float("nan"), device=DEVICE, dtype=DTYPE)
-    scale = head_dim**-0.5
-    args = (query, paged.k_cache, paged.v_cache, qsl, paged.seq_lens, paged.block_tables)
-    kernels.paged_prefill_attention(*args, max(q_lens), scale, out=out)
-    expected = ref.paged_attention_ref(*args, scale)
+        "cfg": config_name,
+        "kv": "fp8" if fp8 else "bf16",
+        "D": head_dim,
+        "bs": block_size,
+        "G": group,
+        "Hkv": num_kv_heads,
+        "B": batch,
+        "ctx": max_ctx,
+    }
     nan = bool(out.isnan().any())
     err = rel_error(out, expected)
-    params = {
-        "D": head_dim, "bs": block_size, "G": group, "Hkv": num_kv_heads, "B": batch,
-        "max_q": max_q, "prefix": bool(prefix), "max_ctx": max(seq_lens),
-    }  # fmt: skip
-    record("prefill", params, (not nan) and err < TOLERANCE, err, " NaN!" if nan else "")
-    for kind, fn, wanted in (
-        ("varlen", varlen.varlen_prefill_attention, varlen.varlen_attn_available()),
-        (
-            "varlen_p",
-            varlen.varlen_prefill_attention_paged,
-            varlen.varlen_paged_available() and block_size == 256,
-        ),
-    ):
-        if not wanted:
-            continue
-        try:
-            got = fn(*args, max(q_lens), max(seq_lens), scale)
-            n = sum(q_lens)
-            verr = rel_error(got[:n], expected[:n])
-            record(kind, params, bool(not got[:n].isnan().any()) and verr < TOLERANCE, verr, "optional")
-        except Exception as exc:  # noqa: BLE001 - report and go on; varlen is optional
-            record(kind, params, False, None, f"optional, error: {exc!r}"[:200])
+    record("decode", params, (not nan) and err < TOLERANCE and zeros_ok, err, f"grid splits={splits}")
 
 
-def check_decode_graph(gen):
+def check_decode_graph(gen, config_name, config, fp8=False, pdl=False):
     batch, num_heads, num_kv_heads, head_dim, block_size = 8, 16, 8, 128, 16
-    paged = Paged(gen, [2048] * batch, num_kv_heads, head_dim, block_size)
-    query = torch.randn(batch, num_heads, head_dim, generator=gen, device=DEVICE, dtype=DTYPE)
+    paged = Paged(gen, [2048] * batch, num_kv_heads, head_dim, block_size, fp8_scales() if fp8 else None)
+    query = randn(gen, batch, num_heads, head_dim)
     lens = paged.seq_lens.clone()
     out = torch.empty_like(query)
-    workspace = kernels.DecodeWorkspace.allocate(
-        batch, num_heads, num_kv_heads, head_dim, paged.block_tables.shape[1] * block_size, DEVICE
+    workspace = K.attn.DecodeWorkspace.allocate(
+        batch, num_heads, num_kv_heads, head_dim, paged.block_tables.shape[1] * block_size, DEVICE, config
     )
     args = (query, paged.k_cache, paged.v_cache, paged.block_tables, lens, head_dim**-0.5)
-    kernels.paged_decode_attention(*args, out=out, workspace=workspace)
+
+    def call():
+        K.attn.paged_decode_attention(
+            *args, out=out, workspace=workspace, config=config, pdl=pdl, **paged.scales
+        )
+
+    call()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.paged_decode_attention(*args, out=out, workspace=workspace)
+        call()
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     worst, ok = 0.0, True
     for _ in range(4):
@@ -242,100 +454,159 @@ def check_decode_graph(gen):
         query.copy_(torch.randn(query.shape, generator=gen, device=DEVICE))
         out.fill_(float("nan"))
         graph.replay()
-        expected = ref.paged_attention_ref(
-            query, paged.k_cache, paged.v_cache, qsl, lens, paged.block_tables, head_dim**-0.5
+        expected = K.aref.paged_attention_ref(
+            query, paged.k_cache, paged.v_cache, qsl, lens, paged.block_tables, head_dim**-0.5, **paged.scales
         )
         err = rel_error(out, expected)
         worst = max(worst, err)
         ok = ok and not bool(out.isnan().any()) and err < TOLERANCE and bool((out[0] == 0).all())
-    record(
-        "graph", {"B": batch, "D": head_dim, "bs": block_size}, ok, worst, "decode replayed with new seq_lens"
+    ok = ok and not bool(workspace.counters.any())
+    params = {"cfg": config_name, "kv": "fp8" if fp8 else "bf16", "pdl": pdl, "B": batch}
+    record("graph", params, ok, worst, "decode replayed with new seq_lens")
+
+
+def prefill_configs(quick: bool) -> dict:
+    P = K.attn.PrefillConfig
+    configs = {
+        "m64n64w4s3 (default)": P(),
+        "m64n64w4s4": P(num_stages=4),
+        "m64n128w4s3": P(block_n=128),
+        "m128n64w4s3": P(block_m=128),
+        "m128n64w8s3": P(block_m=128, num_warps=8),
+        "m128n128w8s3": P(block_m=128, block_n=128, num_warps=8),
+        "m128n64w8s4": P(block_m=128, num_warps=8, num_stages=4),
+        "gqa m64n64w4s3": P(pack_gqa=True),
+        "gqa m128n64w8s3": P(block_m=128, num_warps=8, pack_gqa=True),
+        "gqa m128n128w8s3": P(block_m=128, block_n=128, num_warps=8, pack_gqa=True),
+        "gqa m128n64w4s3": P(block_m=128, pack_gqa=True),
+        "gqa m256n64w8s3": P(block_m=256, num_warps=8, pack_gqa=True),
+    }
+    if quick:
+        return {k: configs[k] for k in ("m64n64w4s3 (default)", "m128n64w8s3", "gqa m128n64w8s3")}
+    return configs
+
+
+def check_prefill(
+    gen,
+    head_dim,
+    block_size,
+    group,
+    batch,
+    max_q,
+    prefix,
+    num_kv_heads,
+    config_name,
+    config,
+    fp8=False,
+    padding_rows=2,
+):
+    host_gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=gen, device=DEVICE)))
+    q_lens = torch.randint(1, max_q + 1, (batch,), generator=host_gen).tolist()
+    q_lens[0] = max_q
+    prefixes = (
+        torch.randint(0, 3 * max_q + 1, (batch,), generator=host_gen).tolist() if prefix else [0] * batch
     )
+    seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
+    paged = Paged(gen, seq_lens, num_kv_heads, head_dim, block_size, fp8_scales() if fp8 else None)
+    num_heads = num_kv_heads * group
+    num_tokens = sum(q_lens) + padding_rows
+    query = randn(gen, num_tokens, num_heads, head_dim)
+    qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=DEVICE)
+    out = poison(num_tokens, num_heads, head_dim)
+    scale = head_dim**-0.5
+    args = (query, paged.k_cache, paged.v_cache, qsl, paged.seq_lens, paged.block_tables)
+    K.attn.paged_prefill_attention(*args, max(q_lens), scale, out=out, config=config, **paged.scales)
+    expected = K.aref.paged_attention_ref(*args, scale, **paged.scales)
+    params = {
+        "cfg": config_name,
+        "kv": "fp8" if fp8 else "bf16",
+        "D": head_dim,
+        "bs": block_size,
+        "G": group,
+        "B": batch,
+        "max_q": max_q,
+        "prefix": bool(prefix),
+    }
+    check_close("prefill", params, out, expected)
 
 
 def run_correctness(quick: bool):
     gen = torch.Generator(device=DEVICE).manual_seed(1234)
-    for head_dim in (64, 128):
-        for block_size in (16, 64, 256):
-            check_store(gen, head_dim, block_size)
-    batches = [1, 7, 64, 256]
-    contexts = [4096, 1000, 333, 4096]
-    i = 0
-    for head_dim in (64, 128):
-        for block_size in (16, 64, 256):
-            for group in (1, 2, 4, 8):
-                num_kv_heads = 2 if group == 8 else 4
-                batch = batches[i % 4] if not quick else min(batches[i % 4], 16)
-                check_decode(
-                    gen,
-                    head_dim,
-                    block_size,
-                    group,
-                    batch,
-                    contexts[i % 4],
-                    num_kv_heads,
-                    zero_rows=1 if batch > 1 else 0,
-                )
-                i += 1
-    check_decode(gen, 128, 16, 2, 1, 1, 8)  # context 1
-    check_decode(gen, 128, 16, 2, 1, 4096, 8)  # batch 1, many splits
-    check_decode(gen, 128, 16, 2, 256, 1024, 8, zero_rows=32)  # the timed shape, with padding rows
-    check_decode_graph(gen)
-    i = 0
-    for head_dim in (64, 128):
-        for block_size in (16, 64, 256):
-            for group in (1, 2, 4, 8):
-                num_kv_heads = 2 if group == 8 else 4
-                for prefix in (False, True):
-                    batch = (1, 3, 8)[i % 3]
-                    max_q = (1024, 300, 77)[i % 3] if not quick else 64
-                    check_prefill(gen, head_dim, block_size, group, batch, max_q, prefix, num_kv_heads)
-                    i += 1
-    # Decode-shaped rows through the prefill kernel (no padding rows: the reference's batched decode path
-    # takes one query row per sequence).
-    check_prefill(gen, 128, 16, 2, 4, 1, True, 8, padding_rows=0)
-    # varlen_attn is an optional comparison path: its failures are reported but do not fail the run.
-    failures = [c for c in RESULTS["correctness"] if not c["pass"] and not c["kind"].startswith("varlen")]
+    sections = [
+        ("elementwise", lambda: check_elementwise(gen)),
+        ("qk_norm_rope_store", lambda: check_qk_norm_rope_store(gen)),
+        ("sampler", lambda: check_sampler(gen)),
+        ("gemv", lambda: check_gemv(gen)),
+        ("store", lambda: [check_store(gen, d, bs) for d in (64, 128) for bs in (16, 256)]),
+        ("decode", lambda: run_decode_correctness(gen, quick)),
+        ("prefill", lambda: run_prefill_correctness(gen, quick)),
+    ]
+    for name, section in sections:
+        guarded(f"correctness/{name}", section)
+    failures = [c for c in RESULTS["correctness"] if not c["pass"]]
     RESULTS["correctness_summary"] = {"cases": len(RESULTS["correctness"]), "failures": len(failures)}
     TABLE.append(
         ("correctness", f"{len(RESULTS['correctness']) - len(failures)}/{len(RESULTS['correctness'])} PASS")
     )
 
 
+def run_decode_correctness(gen, quick):
+    configs = decode_configs(quick)
+    shapes = [
+        # head_dim, block_size, group, batch, max_ctx, num_kv_heads
+        (128, 16, 2, 1, 600, 8),
+        (128, 16, 2, 8, 4096, 8),
+        (64, 256, 4, 7, 1000, 4),
+        (128, 64, 8, 64, 333, 2),
+        (64, 16, 1, 256, 1024, 4),
+        (128, 16, 2, 1, 1, 8),
+        (128, 256, 7, 3, 2000, 2),
+    ]
+    # Every shape through the two schemes; the other variants (timed at head_dim 128, block 16) on the
+    # timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
+    for name, config in configs.items():
+        for shape in shapes if name in ("merge_kernel", "fused") else (shapes[0], shapes[1], shapes[6]):
+            check_decode(gen, *shape, name, config)
+    for name in ("merge_kernel", "fused"):
+        for shape in shapes[:4]:
+            check_decode(gen, *shape, name, configs[name], fp8=True)
+        check_decode_graph(gen, name, configs[name])
+        check_decode_graph(gen, name, configs[name], fp8=True)
+        check_decode_graph(gen, name, configs[name], pdl=True)
+
+
+def run_prefill_correctness(gen, quick):
+    shapes = [
+        # head_dim, block_size, group, batch, max_q, prefix, num_kv_heads
+        (128, 16, 2, 3, 300, False, 8),
+        (128, 16, 2, 3, 300, True, 8),
+        (64, 256, 4, 8, 77, True, 2),
+        (128, 64, 8, 1, 1024, False, 1),
+        (64, 16, 1, 4, 129, True, 4),
+        (128, 16, 7, 2, 100, True, 2),
+    ]
+    # The packed configurations also see groups of 8 and 7 (masked rows of a padded group).
+    for name, config in prefill_configs(quick).items():
+        if "default" in name:
+            chosen = shapes
+        elif config.pack_gqa:
+            chosen = (shapes[0], shapes[1], shapes[3], shapes[5])
+        else:
+            chosen = shapes[:2]
+        for shape in chosen:
+            check_prefill(gen, *shape, name, config)
+    default = K.attn.DEFAULT_PREFILL
+    for shape in shapes[:3]:
+        check_prefill(gen, *shape, "default", default, fp8=True)
+        check_prefill(gen, *shape, "gqa m128n64w8", K.attn.PrefillConfig(128, 64, 8, 3, True), fp8=True)
+    # Decode-shaped rows through the prefill kernel (no padding rows: the reference's batched decode path
+    # takes one query row per sequence).
+    check_prefill(gen, 128, 16, 2, 4, 1, True, 8, "short", K.attn.SHORT_QUERY_PREFILL, padding_rows=0)
+
+
 # ----------------------------------------------------------------------------------------------------
-# 2. / 3. Timing
+# 2. Timing
 # ----------------------------------------------------------------------------------------------------
-
-
-def bench(fn, rep=200) -> float:
-    """Median milliseconds."""
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def graph_bench(fn, rep=200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay, rep)
-
-
-def host_profile(fn, calls=300) -> str:
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
-    log(text.getvalue())
-    return text.getvalue()
 
 
 def time_ceiling():
@@ -348,315 +619,816 @@ def time_ceiling():
     TABLE.append(("device-to-device copy (read+write)", f"{tbps:.2f} TB/s"))
 
 
-def time_store(gen):
-    out = {}
-    num_kv_heads, head_dim, block_size = 8, 128, 16
-    for num_tokens in (256, 16384):
-        num_blocks = num_tokens * 2 // block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        k_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
-        v_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
-        _, key, value = qkv_views(gen, num_tokens, 16, num_kv_heads, head_dim)
-        slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
-        store_args = (key, value, k_cache, v_cache, slots)
-        ms = bench(partial(kernels.store_kvcache, *store_args))
-        ms_ref = bench(partial(ref.store_kvcache_ref, *store_args))
-        moved = 2 * 2 * num_tokens * num_kv_heads * head_dim * 2  # K and V, read + write
-        out[f"T{num_tokens}"] = {
-            "triton_us": ms * 1e3,
-            "torch_ref_us": ms_ref * 1e3,
-            "tbps": moved / ms / 1e9,
-        }
-        TABLE.append(
-            (
-                f"store_kvcache T={num_tokens}",
-                f"{ms * 1e3:.1f} us ({moved / ms / 1e9:.2f} TB/s), torch ref {ms_ref * 1e3:.1f} us",
-            )
-        )
-    RESULTS["timing"]["store_kvcache"] = out
-
-
-DECODE_VARIANTS = [
-    # (block_n, num_warps, num_stages, splits or None = default)
-    (64, 4, 3, None),
-    (64, 4, 2, None),
-    (64, 4, 4, None),
-    (32, 4, 3, None),
-    (128, 4, 3, None),
-    (128, 8, 3, None),
-    (64, 4, 3, 2),
-    (64, 4, 3, 4),
-]
-
-
-def time_decode(gen, quick: bool):
-    num_heads, num_kv_heads, head_dim = 16, 8, 128
-    scale = head_dim**-0.5
+def time_elementwise(gen, quick):
     res = {}
-    for block_size in (16, 256):
-        batch, ctx = 256, 1024
-        paged = Paged(gen, [ctx] * batch, num_kv_heads, head_dim, block_size)
-        query = torch.randn(batch, num_heads, head_dim, generator=gen, device=DEVICE, dtype=DTYPE)
-        out = torch.empty_like(query)
-        args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale)
-        ms = bench(partial(kernels.paged_decode_attention, *args, out=out))
-        tbps = paged.kv_bytes / ms / 1e9
-        entry = {
-            "B": batch,
-            "ctx": ctx,
-            "us": ms * 1e3,
-            "kv_tbps": tbps,
-            "kv_bytes": paged.kv_bytes,
-            "variants": [],
-        }
-        TABLE.append(
-            (f"decode B={batch} ctx={ctx} bs={block_size}", f"{ms * 1e3:.1f} us, {tbps:.2f} TB/s KV")
-        )
-        default_splits = kernels.decode_num_splits(
-            batch, num_kv_heads, paged.block_tables.shape[1] * block_size, num_sms()
-        )
-        for block_n, warps, stages, splits in DECODE_VARIANTS if not quick else DECODE_VARIANTS[:2]:
-            splits = splits or default_splits
-            try:
-                fn = partial(
-                    kernels._launch_decode,
-                    *args,
-                    out,
-                    None,
-                    splits,
-                    num_heads // num_kv_heads,
-                    block_n=block_n,
-                    num_warps=warps,
-                    num_stages=stages,
-                )
-                fn()
-                vms = bench(fn)
-                ok = rel_error(out, kernels.paged_decode_attention(*args)) < TOLERANCE
-                v = {"block_n": block_n, "warps": warps, "stages": stages, "splits": splits, "us": vms * 1e3,
-                     "kv_tbps": paged.kv_bytes / vms / 1e9, "same_output": ok}  # fmt: skip
-            except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
-                v = {
-                    "block_n": block_n,
-                    "warps": warps,
-                    "stages": stages,
-                    "splits": splits,
-                    "error": repr(exc)[:300],
-                }
-            entry["variants"].append(v)
-            log(f"  decode variant bs={block_size}: {v}")
-        if block_size == 16:
-            qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            ref.paged_attention_ref(
-                query, paged.k_cache, paged.v_cache, qsl, paged.seq_lens, paged.block_tables, scale
-            )
-            torch.cuda.synchronize()
-            entry["torch_ref_us_one_call"] = (time.perf_counter() - t0) * 1e6
-            TABLE.append(("  torch ref (same shape, one call)", f"{entry['torch_ref_us_one_call']:.0f} us"))
-        res[f"bs{block_size}_B{batch}_ctx{ctx}"] = entry
-        del paged
-
-        # batch 1 x 512: latency, eager (launch overhead included) and CUDA-graph replay
-        paged = Paged(gen, [512], num_kv_heads, head_dim, block_size)
-        query = torch.randn(1, num_heads, head_dim, generator=gen, device=DEVICE, dtype=DTYPE)
-        out = torch.empty_like(query)
-        args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale)
-        workspace = kernels.DecodeWorkspace.allocate(1, num_heads, num_kv_heads, head_dim, 512, DEVICE)
-        fn = partial(kernels.paged_decode_attention, *args, out=out, workspace=workspace)
-        eager = bench(fn)
-        graphed = graph_bench(fn)
-        # Host time per eager call (Python + Triton launch), without waiting for the GPU.
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn()
-        host_us = (time.perf_counter() - t0) / 200 * 1e6
-        torch.cuda.synchronize()
-        if block_size == 16:
-            RESULTS["decode_host_profile"] = host_profile(fn)
-        res[f"bs{block_size}_B1_ctx512"] = {
-            "eager_us": eager * 1e3,
-            "graph_us": graphed * 1e3,
-            "host_us": host_us,
-        }
-        TABLE.append(
-            (
-                f"decode B=1 ctx=512 bs={block_size}",
-                f"eager {eager * 1e3:.1f} us (host {host_us:.0f} us), graph replay {graphed * 1e3:.1f} us",
-            )
-        )
-    # Other shapes with the default configuration: how the split heuristic does away from the target.
-    for batch, ctx in ((64, 4096), (32, 4096), (8, 8192), (1, 32768), (256, 200)):
+    cos_sin = cos_sin_table(4096, HEAD_DIM)
+    weight = randn(gen, HIDDEN)
+    norm_w = randn(gen, HEAD_DIM)
+    for tokens in (1, 256):
+        x, residual = randn(gen, tokens, HIDDEN), randn(gen, tokens, HIDDEN)
+        out = torch.empty_like(x)
+        gate_up = randn(gen, tokens, 2 * INTER)
+        act = torch.empty(tokens, INTER, device=DEVICE, dtype=DTYPE)
+        qkv = randn(gen, tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        positions = torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE)
         block_size = 16
-        paged = Paged(gen, [ctx] * batch, num_kv_heads, head_dim, block_size)
-        query = torch.randn(batch, num_heads, head_dim, generator=gen, device=DEVICE, dtype=DTYPE)
-        out = torch.empty_like(query)
-        args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale)
-        ms = graph_bench(partial(kernels.paged_decode_attention, *args, out=out))
-        splits = kernels.decode_num_splits(
-            batch, num_kv_heads, paged.block_tables.shape[1] * block_size, num_sms()
+        num_blocks = 2 * math.ceil(tokens / block_size) + 2
+        shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+        k_cache, v_cache = (
+            torch.zeros(shape, device=DEVICE, dtype=DTYPE),
+            torch.zeros(shape, device=DEVICE, dtype=DTYPE),
         )
-        tbps = paged.kv_bytes / ms / 1e9
-        sweep = {}
-        for other in sorted({max(1, splits // 2), splits * 2, min(64, splits * 4)} - {splits}):
-            launch = partial(kernels._launch_decode, *args, out, None, other, num_heads // num_kv_heads)
-            sweep[other] = paged.kv_bytes / graph_bench(launch) / 1e9
-        res[f"bs{block_size}_B{batch}_ctx{ctx}_graph"] = {
-            "us": ms * 1e3, "kv_tbps": tbps, "splits": splits, "kv_tbps_by_other_splits": sweep,
-        }  # fmt: skip
-        log(f"  decode B={batch} ctx={ctx}: splits={splits} {tbps:.2f} TB/s; others {sweep}")
+        k8, v8 = k_cache.to(FP8), v_cache.to(FP8)
+        scales = fp8_scales()
+        slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:tokens]
+        rope_args = (positions, cos_sin, HEADS, KV_HEADS, HEAD_DIM, norm_w, norm_w, EPS)
+        cases = {
+            "rms_norm": (
+                partial(K.elem.rms_norm, x, weight, EPS, out=out),
+                partial(K.eref.rms_norm_ref, x, weight, EPS),
+                2 * x.numel() * 2,
+            ),
+            "add_rms_norm": (
+                partial(K.elem.add_rms_norm, x, residual, weight, EPS),
+                partial(K.eref.add_rms_norm_ref, x, residual, weight, EPS),
+                4 * x.numel() * 2,
+            ),
+            "silu_and_mul": (
+                partial(K.elem.silu_and_mul, gate_up, out=act),
+                partial(K.eref.silu_and_mul_ref, gate_up),
+                (gate_up.numel() + act.numel()) * 2,
+            ),
+            "qk_norm_rope_store": (
+                partial(K.elem.qk_norm_rope_store, qkv, *rope_args, k_cache, v_cache, slots),
+                partial(K.eref.qk_norm_rope_store_ref, qkv, *rope_args, k_cache, v_cache, slots),
+                (qkv.numel() + (HEADS + KV_HEADS) * HEAD_DIM * tokens + 2 * KV_HEADS * HEAD_DIM * tokens) * 2,
+            ),
+            "qk_norm_rope_store fp8": (
+                partial(K.elem.qk_norm_rope_store, qkv, *rope_args, k8, v8, slots, *scales),
+                partial(K.eref.qk_norm_rope_store_ref, qkv, *rope_args, k8, v8, slots, *scales),
+                (qkv.numel() + (HEADS + KV_HEADS) * HEAD_DIM * tokens) * 2 + 2 * KV_HEADS * HEAD_DIM * tokens,
+            ),
+        }
+        if not quick and tokens == 256:
+            for per_program in (1, 2, 4, 8, 16):
+                cases[f"qk_norm_rope_store hpp={per_program}"] = (
+                    partial(
+                        K.elem.qk_norm_rope_store,
+                        qkv,
+                        *rope_args,
+                        k_cache,
+                        v_cache,
+                        slots,
+                        heads_per_program=per_program,
+                    ),
+                    None,
+                    None,
+                )
+        for name, (kernel, reference, moved) in cases.items():
+            entry = {}
+            try:
+                entry["triton_us"] = graph_bench(kernel) * 1e3
+                if tokens == 1 and reference is not None:
+                    # Back-to-back calls with programmatic dependent launch: the launch gaps PDL hides.
+                    entry["triton_pdl_us"] = graph_bench(partial(kernel, pdl=True)) * 1e3
+                if reference is not None:
+                    entry["torch_ref_us"] = graph_bench(reference) * 1e3
+                if moved:
+                    entry["tbps"] = moved / entry["triton_us"] / 1e6
+            except Exception as exc:  # noqa: BLE001 - one case failing leaves the others
+                entry["error"] = repr(exc)[:300]
+            res[f"{name} T={tokens}"] = entry
+            line = (
+                f"{entry.get('triton_us', float('nan')):.2f} us"
+                + (f" (pdl {entry['triton_pdl_us']:.2f})" if "triton_pdl_us" in entry else "")
+                + (f" ({entry['tbps']:.2f} TB/s)" if "tbps" in entry else "")
+                + (f", torch ref {entry['torch_ref_us']:.2f} us" if "torch_ref_us" in entry else "")
+                + (" ERROR" if "error" in entry else "")
+            )
+            TABLE.append((f"{name} T={tokens} (graph)", line))
+    RESULTS["timing"]["elementwise"] = res
+
+
+def torch_sampler(logits, temperature):
+    """Today's temperature-only sampler path: softmax of logits / T, exponential race, argmax."""
+    probs = (logits / temperature.unsqueeze(1)).softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_().clamp_min_(1e-10)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def time_sampler(gen, quick):
+    res = {}
+    for batch in SAMPLER_BATCHES:
+        logits = randn(gen, batch, VOCAB, scale=4.0)
+        temperature = torch.full((batch,), 0.8, device=DEVICE)
+        seeds = torch.arange(batch, device=DEVICE)
+        offsets = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+        out = torch.empty(batch, dtype=torch.int64, device=DEVICE)
+        entry = {"torch_us": graph_bench(partial(torch_sampler, logits, temperature)) * 1e3}
+        for chunk in (None, 1024, 2048, 4096) if not quick else (None,):
+            label = f"chunk {chunk}" if chunk else "default"
+            fn = partial(K.samp.gumbel_sample, logits, temperature, seeds, offsets, out=out, chunk_size=chunk)
+            entry[f"triton_us {label}"] = graph_bench(fn) * 1e3
+        greedy = torch.zeros(batch, device=DEVICE)
+        entry["triton_greedy_us"] = (
+            graph_bench(partial(K.samp.gumbel_sample, logits, greedy, seeds, offsets, out=out)) * 1e3
+        )
+        entry["torch_argmax_us"] = graph_bench(partial(torch.argmax, logits, dim=-1)) * 1e3
+        entry["logits_read_tbps"] = logits.numel() * 2 / entry["triton_us default"] / 1e6
+        res[f"B{batch}"] = entry
         TABLE.append(
             (
-                f"decode B={batch} ctx={ctx} bs={block_size} (graph)",
-                f"{ms * 1e3:.1f} us, {tbps:.2f} TB/s KV, splits={splits}",
+                f"sampler B={batch} x {VOCAB} (graph)",
+                f"gumbel {entry['triton_us default']:.1f} us ({entry['logits_read_tbps']:.2f} TB/s logits), "
+                f"greedy {entry['triton_greedy_us']:.1f} us; torch softmax+exp+argmax "
+                f"{entry['torch_us']:.1f} us, torch argmax {entry['torch_argmax_us']:.1f} us",
             )
         )
-        del paged
+    RESULTS["timing"]["sampler"] = res
+
+
+def gemv_candidates(m: int, quick: bool) -> list:
+    C = K.gemv.GemvConfig
+    if m <= 4:
+        configs = [
+            C(8, 512),
+            C(8, 1024),
+            C(4, 1024, num_warps=2),
+            C(16, 256),
+            C(8, 512, split_k=2),
+            C(8, 256, split_k=4),
+            C(16, 512, num_warps=8),
+            C(32, 128, use_dot=True),
+        ]
+    else:
+        configs = [
+            C(16, 128, use_dot=True),
+            C(32, 128, use_dot=True),
+            C(64, 128, use_dot=True),
+            C(16, 256, split_k=2, use_dot=True),
+            C(32, 128, split_k=4, use_dot=True),
+            C(64, 64, split_k=2, use_dot=True),
+            C(32, 256, use_dot=True, num_stages=4),
+            C(8, 256),
+        ]
+    return configs[:3] if quick else configs
+
+
+def time_gemv(gen, quick):
+    res = {}
+    sms = num_sms()
+    for name, (n, k) in PROJECTIONS.items():
+        weight = randn(gen, n, k, scale=0.05)
+        bytes_read = weight.numel() * 2
+        for m in (1, 2, 4, 8, 16):
+            x = randn(gen, m, k)
+            out = torch.empty(m, n, device=DEVICE, dtype=DTYPE)
+            expected = torch.nn.functional.linear(x, weight)
+            entry = {"cublas_us": graph_bench(partial(torch.nn.functional.linear, x, weight)) * 1e3}
+            default = K.gemv.gemv_config(m, n, k, sms)
+            entry["default_config"] = str(default)
+            entry["default_us"] = graph_bench(partial(K.gemv.gemv, x, weight, out=out, config=default)) * 1e3
+            try:
+                pdl = partial(K.gemv.gemv, x, weight, out=out, config=default, pdl=True)
+                entry["default_pdl_us"] = graph_bench(pdl) * 1e3
+            except Exception as exc:  # noqa: BLE001 - PDL is optional
+                entry["default_pdl_error"] = repr(exc)[:200]
+            sweep = {}
+            for config in gemv_candidates(m, quick):
+                try:
+                    us = graph_bench(partial(K.gemv.gemv, x, weight, out=out, config=config)) * 1e3
+                    sweep[str(config)] = {"us": us, "ok": rel_error(out, expected) < TOLERANCE}
+                except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
+                    sweep[str(config)] = {"error": repr(exc)[:200]}
+            timed = {c: v["us"] for c, v in sweep.items() if v.get("ok")}
+            best = min(timed, key=timed.get) if timed else None
+            entry.update(sweep=sweep, best_config=best, best_us=timed.get(best))
+            for key in ("cublas_us", "default_us", "best_us"):
+                if entry.get(key):
+                    entry[key.replace("_us", "_tbps")] = bytes_read / entry[key] / 1e6
+            res[f"{name} M={m}"] = entry
+            TABLE.append(
+                (
+                    f"gemv {name} {k}->{n} M={m} (graph)",
+                    f"cuBLAS {entry['cublas_us']:.1f} us ({entry['cublas_tbps']:.2f} TB/s), triton default "
+                    f"{entry['default_us']:.1f} us ({entry['default_tbps']:.2f}), best "
+                    + (f"{entry['best_us']:.1f} us ({entry['best_tbps']:.2f}) {best}" if best else "none"),
+                )
+            )
+        del weight
+    RESULTS["timing"]["gemv"] = res
+
+
+def time_decode(gen, quick):
+    res = {}
+    configs = decode_configs(quick)
+    block_size = 16
+    for fp8 in (False, True):
+        kv = "fp8" if fp8 else "bf16"
+        for batch, ctx in DECODE_SHAPES:
+            paged = Paged(gen, [ctx] * batch, KV_HEADS, HEAD_DIM, block_size, fp8_scales() if fp8 else None)
+            query = randn(gen, batch, HEADS, HEAD_DIM)
+            out = torch.empty_like(query)
+            args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
+            entry = {}
+            for name, config in configs.items():
+                workspace = K.attn.DecodeWorkspace.allocate(
+                    batch, HEADS, KV_HEADS, HEAD_DIM, paged.block_tables.shape[1] * block_size, DEVICE, config
+                )
+                fn = partial(
+                    K.attn.paged_decode_attention,
+                    *args,
+                    out=out,
+                    workspace=workspace,
+                    config=config,
+                    **paged.scales,
+                )
+                try:
+                    us = graph_bench(fn) * 1e3
+                    entry[name] = {"us": us, "kv_tbps": paged.kv_bytes / us / 1e6}
+                except Exception as exc:  # noqa: BLE001
+                    entry[name] = {"error": repr(exc)[:300]}
+            if batch == 1:
+                # The engine's block tables are as wide as the longest allowed sequence: the grid's split
+                # count follows that width, the fused kernel's used splits follow seq_len.
+                wide = Paged(
+                    gen,
+                    [ctx],
+                    KV_HEADS,
+                    HEAD_DIM,
+                    block_size,
+                    fp8_scales() if fp8 else None,
+                    width=4096 // 16,
+                )
+                wide_args = (
+                    query,
+                    wide.k_cache,
+                    wide.v_cache,
+                    wide.block_tables,
+                    wide.seq_lens,
+                    HEAD_DIM**-0.5,
+                )
+                for name in ("merge_kernel", "fused"):
+                    fn = partial(
+                        K.attn.paged_decode_attention,
+                        *wide_args,
+                        out=out,
+                        config=configs[name],
+                        **wide.scales,
+                    )
+                    us = graph_bench(fn) * 1e3
+                    entry[f"{name} table4096"] = {"us": us, "kv_tbps": wide.kv_bytes / us / 1e6}
+                    if not quick:
+                        fn = partial(fn, pdl=True)
+                        entry[f"{name} table4096 pdl"] = {"us": graph_bench(fn) * 1e3}
+            res[f"{kv} B={batch} ctx={ctx}"] = entry
+            timed = {k: v["us"] for k, v in entry.items() if "us" in v and "table" not in k}
+            best = min(timed, key=timed.get)
+            before = entry.get("merge_kernel", {}).get("us", float("nan"))
+            fused = entry.get("fused", {})
+            TABLE.append(
+                (
+                    f"decode {kv} B={batch} ctx={ctx} (graph)",
+                    f"before {before:.1f} us, fused {fused.get('us', float('nan')):.1f} us "
+                    f"({fused.get('kv_tbps', float('nan')):.2f} TB/s KV), best {best} {timed[best]:.1f} us",
+                )
+            )
+            del paged
     RESULTS["timing"]["decode"] = res
 
 
-PREFILL_VARIANTS = [
-    (64, 64, 4, 3),
-    (64, 64, 4, 4),
-    (64, 128, 4, 3),
-    (64, 128, 8, 3),
-    (64, 32, 4, 3),
-    (128, 128, 8, 3),
-    (128, 64, 4, 4),
-    (128, 128, 8, 2),
-]
+def varlen_flash_attention():
+    """torch's FlashAttention varlen kernel on contiguous K/V (a reference point; None if absent)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = frozenset(inspect.signature(varlen_attn).parameters)
+
+    def attend(query, key, value, cu_seq, max_len, scale):
+        kwargs = {"scale": scale}
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = query.shape[1] != key.shape[1]
+        else:
+            group = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        if "window_size" in params:
+            kwargs["window_size"] = (-1, 0)
+        else:
+            kwargs["is_causal"] = True
+        return varlen_attn(query, key, value, cu_seq, cu_seq, max_len, max_len, **kwargs)
+
+    return attend
 
 
-def time_prefill(gen, quick: bool):
-    num_heads, num_kv_heads, head_dim = 16, 8, 128
-    scale = head_dim**-0.5
+def time_prefill(gen, quick):
     res = {}
-    scenarios = {
-        "8x1024_no_prefix": ([1024] * 8, [1024] * 8),
-        "4x512_over_2048_prefix": ([2560] * 4, [512] * 4),
-    }
-    for block_size in (16, 256):
-        for name, (seq_lens, q_lens) in scenarios.items():
-            paged = Paged(gen, seq_lens, num_kv_heads, head_dim, block_size)
-            num_tokens = sum(q_lens)
-            query = torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=DEVICE, dtype=DTYPE)
-            qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=DEVICE)
-            args = (query, paged.k_cache, paged.v_cache, qsl, paged.seq_lens, paged.block_tables)
-            flops = causal_flops(seq_lens, q_lens, num_heads, head_dim)
+    lens = prefill_batch_lengths(**PREFILL_BATCH)
+    scale = HEAD_DIM**-0.5
+    flops = causal_flops(lens, lens, HEADS, HEAD_DIM)
+    RESULTS["timing"]["prefill_batch"] = {"seq_lens": lens, "tokens": sum(lens), "flops": flops}
+    for block_size in (16, 256) if not quick else (16,):
+        for fp8 in (False, True):
+            paged = Paged(gen, lens, KV_HEADS, HEAD_DIM, block_size, fp8_scales() if fp8 else None)
+            query = randn(gen, sum(lens), HEADS, HEAD_DIM)
+            qsl = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=DEVICE)
             out = torch.empty_like(query)
-            ms = bench(partial(kernels.paged_prefill_attention, *args, max(q_lens), scale, out=out))
-            ms_ref = bench(partial(ref.paged_attention_ref, *args, scale), rep=50)
-            entry = {
-                "triton_us": ms * 1e3,
-                "triton_tflops": flops / ms / 1e9,
-                "torch_ref_us": ms_ref * 1e3,
-                "variants": [],
-            }
-            line = (
-                f"triton {ms * 1e3:.0f} us ({flops / ms / 1e9:.0f} TFLOP/s), torch ref {ms_ref * 1e3:.0f} us"
+            args = (
+                query,
+                paged.k_cache,
+                paged.v_cache,
+                qsl,
+                paged.seq_lens,
+                paged.block_tables,
+                max(lens),
+                scale,
             )
-            for label, fn, wanted in (
-                ("varlen_gather", varlen.varlen_prefill_attention, varlen.varlen_attn_available()),
+            configs = prefill_configs(quick)
+            if fp8 or block_size == 256:
+                configs = {
+                    k: v
+                    for k, v in configs.items()
+                    if k in ("m64n64w4s3 (default)", "m128n64w8s3", "gqa m128n64w8s3")
+                }
+            entry = {}
+            for name, config in configs.items():
+                try:
+                    fn = partial(
+                        K.attn.paged_prefill_attention, *args, out=out, config=config, **paged.scales
+                    )
+                    ms = bench(fn, rep=100)
+                    entry[name] = {"us": ms * 1e3, "tflops": flops / ms / 1e9}
+                except Exception as exc:  # noqa: BLE001
+                    entry[name] = {"error": repr(exc)[:300]}
+                log(f"  prefill bs={block_size} fp8={fp8} {name}: {entry[name]}")
+            attend = varlen_flash_attention()
+            if attend is not None and not fp8 and block_size == 16:
+                try:
+                    key, value = (
+                        randn(gen, sum(lens), KV_HEADS, HEAD_DIM),
+                        randn(gen, sum(lens), KV_HEADS, HEAD_DIM),
+                    )
+                    ms = bench(partial(attend, query, key, value, qsl, max(lens), scale), rep=100)
+                    entry["torch varlen_attn (contiguous K/V)"] = {"us": ms * 1e3, "tflops": flops / ms / 1e9}
+                except Exception as exc:  # noqa: BLE001 - optional reference point
+                    entry["torch varlen_attn (contiguous K/V)"] = {"error": repr(exc)[:300]}
+            res[f"bs{block_size} {'fp8' if fp8 else 'bf16'}"] = entry
+            timed = {k: v["tflops"] for k, v in entry.items() if "tflops" in v}
+            best = max(timed, key=timed.get)
+            default = entry.get("m64n64w4s3 (default)", {})
+            kv_name = "fp8" if fp8 else "bf16"
+            default_us, default_tflops = default.get("us", float("nan")), default.get("tflops", float("nan"))
+            TABLE.append(
                 (
-                    "varlen_paged",
-                    varlen.varlen_prefill_attention_paged,
-                    varlen.varlen_paged_available() and block_size % 256 == 0,
-                ),
-            ):
-                if not wanted:
-                    continue
-                try:
-                    vms = bench(partial(fn, *args, max(q_lens), max(seq_lens), scale))
-                    entry[f"{label}_us"] = vms * 1e3
-                    entry[f"{label}_tflops"] = flops / vms / 1e9
-                    line += f", {label} {vms * 1e3:.0f} us"
-                except Exception as exc:  # noqa: BLE001 - optional path
-                    entry[f"{label}_error"] = repr(exc)[:300]
-                    line += f", {label} error"
-            if varlen.varlen_attn_available():
-                try:
-                    key, value, cu_seq_k = varlen.gather_context(*args[1:3], *args[4:6])
-                    # KV heads repeated up front (this torch's varlen_attn has no enable_gqa), so only
-                    # the FlashAttention kernel itself is timed.
-                    key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)
-                    value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
-                    attend = partial(
-                        varlen.varlen_causal_attention,
-                        query, key, value, qsl, cu_seq_k, max(q_lens), max(seq_lens), scale,
-                    )  # fmt: skip
-                    vms = bench(attend)
-                    entry["varlen_fa_only_us"] = vms * 1e3
-                    entry["varlen_fa_only_tflops"] = flops / vms / 1e9
-                    line += f" (FA alone {vms * 1e3:.0f} us)"
-                except Exception as exc:  # noqa: BLE001 - optional path
-                    entry["varlen_fa_only_error"] = repr(exc)[:300]
-            TABLE.append((f"prefill {name} bs={block_size}", line))
-            if block_size == 16:
-                for cfg in PREFILL_VARIANTS if not quick else PREFILL_VARIANTS[:2]:
-                    try:
-                        fn = partial(
-                            kernels._launch_prefill,
-                            *args,
-                            max(q_lens),
-                            scale,
-                            out,
-                            num_heads // num_kv_heads,
-                            cfg,
-                        )
-                        fn()
-                        vms = bench(fn)
-                        v = {"config": cfg, "us": vms * 1e3, "tflops": flops / vms / 1e9}
-                    except Exception as exc:  # noqa: BLE001
-                        v = {"config": cfg, "error": repr(exc)[:300]}
-                    entry["variants"].append(v)
-                    log(f"  prefill variant {name}: {v}")
-            res[f"{name}_bs{block_size}"] = entry
+                    f"prefill {sum(lens)} tokens ({len(lens)} seqs) bs={block_size} {kv_name}",
+                    f"default {default_us:.0f} us ({default_tflops:.0f} TFLOP/s), "
+                    f"best {best} {entry[best]['us']:.0f} us ({timed[best]:.0f} TFLOP/s)",
+                )
+            )
             del paged
     RESULTS["timing"]["prefill"] = res
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mock decode step: 28 Qwen3-0.6B layers from these kernels, in one CUDA graph
+# ----------------------------------------------------------------------------------------------------
+
+
+class MockDecodeStep:
+    """The decode step of a Qwen3-0.6B-shaped model at ``batch`` x ``ctx`` built from these kernels
+    (random weights, distinct per layer so nothing stays in L2): per layer add_rms_norm, qkv projection,
+    qk_norm_rope_store, decode attention, o projection, add_rms_norm, gate_up, silu_and_mul, down; then
+    the final norm, the LM head and the sampler. Projections through ``gemv`` or cuBLAS."""
+
+    def __init__(self, gen, batch, ctx, fp8=False):
+        self.batch = batch
+        self.layers = []
+        for _ in range(LAYERS):
+            self.layers.append(
+                {
+                    "qkv": randn(gen, *PROJECTIONS["qkv"], scale=0.03),
+                    "o": randn(gen, *PROJECTIONS["o"], scale=0.03),
+                    "gate_up": randn(gen, *PROJECTIONS["gate_up"], scale=0.03),
+                    "down": randn(gen, *PROJECTIONS["down"], scale=0.02),
+                    "norm1": randn(gen, HIDDEN).abs(),
+                    "norm2": randn(gen, HIDDEN).abs(),
+                    "q_norm": randn(gen, HEAD_DIM).abs(),
+                    "k_norm": randn(gen, HEAD_DIM).abs(),
+                    "paged": Paged(gen, [ctx] * batch, KV_HEADS, HEAD_DIM, 16, fp8_scales() if fp8 else None),
+                }
+            )
+            paged = self.layers[-1]["paged"]
+            # The new token goes to position ctx - 1 of each sequence: the last entry of its table row.
+            last_block = paged.block_tables.long()[:, (ctx - 1) // 16]
+            self.layers[-1]["slots"] = last_block * 16 + (ctx - 1) % 16
+        self.lm_head = randn(gen, *PROJECTIONS["lm_head"], scale=0.03)
+        self.final_norm = randn(gen, HIDDEN).abs()
+        self.cos_sin = cos_sin_table(4096, HEAD_DIM)
+        self.hidden = randn(gen, batch, HIDDEN)
+        self.positions = torch.full((batch,), ctx - 1, dtype=torch.int64, device=DEVICE)
+        width = self.layers[0]["paged"].block_tables.shape[1]
+        self.workspace = K.attn.DecodeWorkspace.allocate(batch, HEADS, KV_HEADS, HEAD_DIM, width * 16, DEVICE)
+        self.temperature = torch.full((batch,), 0.7, device=DEVICE)
+        self.seeds = torch.arange(batch, device=DEVICE)
+        self.offsets = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+        self.tokens = torch.empty(batch, dtype=torch.int64, device=DEVICE)
+        self.num_bytes = (
+            sum(
+                w.numel() * 2
+                for layer in self.layers
+                for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])
+            )
+            + self.lm_head.numel() * 2
+        )
+        self.num_bytes += sum(layer["paged"].kv_bytes for layer in self.layers)
+
+    def run(self, cublas: bool = False, pdl: bool = False) -> torch.Tensor:
+        """One step through the Triton kernels; the sampled tokens go to ``self.tokens``. Returns the
+        logits."""
+
+        def project(x, w):
+            return torch.nn.functional.linear(x, w) if cublas else K.gemv.gemv(x, w, pdl=pdl)
+
+        x = self.hidden.clone()
+        residual = torch.zeros_like(x)
+        for layer in self.layers:
+            K.elem.add_rms_norm(x, residual, layer["norm1"], EPS, pdl=pdl)
+            qkv = project(x, layer["qkv"])
+            paged = layer["paged"]
+            q, _, _ = K.elem.qk_norm_rope_store(
+                qkv,
+                self.positions,
+                self.cos_sin,
+                HEADS,
+                KV_HEADS,
+                HEAD_DIM,
+                layer["q_norm"],
+                layer["k_norm"],
+                EPS,
+                paged.k_cache,
+                paged.v_cache,
+                layer["slots"],
+                paged.k_scale,
+                paged.v_scale,
+                pdl=pdl,
+            )
+            attn = K.attn.paged_decode_attention(
+                q,
+                paged.k_cache,
+                paged.v_cache,
+                paged.block_tables,
+                paged.seq_lens,
+                HEAD_DIM**-0.5,
+                workspace=self.workspace,
+                pdl=pdl,
+                **paged.scales,
+            )
+            x = project(attn.view(self.batch, -1), layer["o"])
+            K.elem.add_rms_norm(x, residual, layer["norm2"], EPS, pdl=pdl)
+            x = project(K.elem.silu_and_mul(project(x, layer["gate_up"]), pdl=pdl), layer["down"])
+        K.elem.add_rms_norm(x, residual, self.final_norm, EPS, pdl=pdl)
+        logits = project(x, self.lm_head)
+        K.samp.gumbel_sample(logits, self.temperature, self.seeds, self.offsets, out=self.tokens, pdl=pdl)
+        return logits
+
+    def run_reference(self) -> torch.Tensor:
+        """The same step through the pure-PyTorch references: the logits."""
+        x = self.hidden.clone()
+        residual = torch.zeros_like(x)
+        qsl = torch.arange(self.batch + 1, dtype=torch.int32, device=DEVICE)
+        for layer in self.layers:
+            K.eref.add_rms_norm_ref(x, residual, layer["norm1"], EPS)
+            qkv = K.gref.gemv_ref(x, layer["qkv"])
+            paged = layer["paged"]
+            q, _, _ = K.eref.qk_norm_rope_store_ref(
+                qkv,
+                self.positions,
+                self.cos_sin,
+                HEADS,
+                KV_HEADS,
+                HEAD_DIM,
+                layer["q_norm"],
+                layer["k_norm"],
+                EPS,
+                paged.k_cache,
+                paged.v_cache,
+                layer["slots"],
+                paged.k_scale,
+                paged.v_scale,
+            )
+            attn = K.aref.paged_attention_ref(
+                q,
+                paged.k_cache,
+                paged.v_cache,
+                qsl,
+                paged.seq_lens,
+                paged.block_tables,
+                HEAD_DIM**-0.5,
+                **paged.scales,
+            )
+            x = K.gref.gemv_ref(attn.reshape(self.batch, -1), layer["o"])
+            K.eref.add_rms_norm_ref(x, residual, layer["norm2"], EPS)
+            x = K.gref.gemv_ref(K.eref.silu_and_mul_ref(K.gref.gemv_ref(x, layer["gate_up"])), layer["down"])
+        K.eref.add_rms_norm_ref(x, residual, self.final_norm, EPS)
+        return K.gref.gemv_ref(x, self.lm_head)
+
+
+def time_mock_step(gen, quick):
+    res = {}
+    for batch in MOCK_STEP_BATCHES if not quick else MOCK_STEP_BATCHES[:1]:
+        step = MockDecodeStep(gen, batch, MOCK_STEP_CONTEXT)
+        entry = {"weights_and_kv_bytes": step.num_bytes}
+        # The whole step against the references: errors of 28 layers of bf16 add up, hence 5e-2.
+        err = rel_error(step.run(), step.run_reference())
+        record(
+            "mock_step", {"B": batch, "ctx": MOCK_STEP_CONTEXT}, err < 5e-2, err, "logits vs the references"
+        )
+        step.run()
+        eager_tokens = step.tokens.clone()
+        for label, kwargs in (
+            ("triton", {}),
+            ("triton+pdl", {"pdl": True}),
+            ("cublas projections", {"cublas": True}),
+        ):
+            try:
+                ms = graph_bench(partial(step.run, **kwargs), calls=1, rep=200)
+                graph_tokens = step.tokens.clone()
+                entry[label] = {"ms": ms, "tbps": step.num_bytes / ms / 1e9}
+                if label != "cublas projections":
+                    entry[label]["same_tokens_as_eager"] = bool(torch.equal(graph_tokens, eager_tokens))
+            except Exception as exc:  # noqa: BLE001
+                entry[label] = {"error": repr(exc)[:300]}
+        res[f"B{batch} ctx{MOCK_STEP_CONTEXT}"] = entry
+        TABLE.append(
+            (
+                f"mock decode step B={batch} ctx={MOCK_STEP_CONTEXT}, {LAYERS} layers (graph)",
+                ", ".join(
+                    f"{k} {v['ms'] * 1e3:.0f} us ({v['tbps']:.2f} TB/s)" if "ms" in v else f"{k} ERROR"
+                    for k, v in entry.items()
+                    if isinstance(v, dict)
+                ),
+            )
+        )
+        del step
+        torch.cuda.empty_cache()
+    RESULTS["timing"]["mock_decode_step"] = res
+
+
+# ----------------------------------------------------------------------------------------------------
+# --compile-only: every kernel and configuration compiled for sm_90, no GPU
+# ----------------------------------------------------------------------------------------------------
+
+
+H200_MAX_SHARED_BYTES = 232448  # per block, opted in (227 KiB)
+
+
+def compile_only(quick: bool) -> int:
+    """Compiles (never runs) each kernel launch this script makes, for an H200 (sm_90), with Triton's
+    bundled ptxas: a fake driver reports the target and every launch becomes a warm-up."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    class CompileOnlyDriver:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    driver.set_active(CompileOnlyDriver())
+    launch = JITFunction.run
+    compiled: list[str] = []
+
+    def warm_up_only(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(self.__name__)
+        if kernel.metadata.shared > H200_MAX_SHARED_BYTES:
+            raise ValueError(f"{self.__name__} needs {kernel.metadata.shared} bytes of shared memory")
+        return kernel
+
+    JITFunction.run = warm_up_only
+    global K
+    K = _modules()
+    # The kernels refuse pdl=True off CUDA; here nothing is launched, so the PDL variants compile too.
+    for module in (K.elem, K.attn, K.gemv, K.samp):
+        module.launch_options = lambda pdl, device: {"launch_pdl": True} if pdl else {}
+    failures = []
+
+    def attempt(label: str, fn: Callable, *args, **kwargs) -> None:
+        started = time.perf_counter()
+        try:
+            fn(*args, **kwargs)
+            log(f"OK   {label} ({time.perf_counter() - started:.1f} s)")
+        except Exception:  # noqa: BLE001 - report every failing compile
+            failures.append(label)
+            log(f"FAIL {label}\n{traceback.format_exc()}")
+
+    def t(*shape, dtype=DTYPE):
+        return torch.empty(*shape, dtype=dtype)
+
+    ones = torch.ones(1)
+    for tokens in (1, 256):
+        attempt(f"rms_norm T={tokens}", K.elem.rms_norm, t(tokens, HIDDEN), t(HIDDEN), EPS, pdl=True)
+        attempt(
+            f"add_rms_norm T={tokens}",
+            K.elem.add_rms_norm,
+            t(tokens, HIDDEN),
+            t(tokens, HIDDEN),
+            t(HIDDEN),
+            EPS,
+        )
+        attempt(f"silu_and_mul T={tokens}", K.elem.silu_and_mul, t(tokens, 2 * INTER), pdl=True)
+        qkv = t(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        positions = torch.zeros(tokens, dtype=torch.long)
+        for cache_dtype in (DTYPE, FP8):
+            cache = t(64, 16, KV_HEADS, HEAD_DIM, dtype=cache_dtype)
+            scales = (ones, ones) if cache_dtype == FP8 else (None, None)
+            rope_args = (
+                qkv,
+                positions,
+                torch.zeros(4096, HEAD_DIM),
+                HEADS,
+                KV_HEADS,
+                HEAD_DIM,
+                t(HEAD_DIM),
+                t(HEAD_DIM),
+            )
+            for per_program in (None, 1, 2, 4, 8, 16):
+                label = f"qk_norm_rope_store T={tokens} {cache_dtype} hpp={per_program}"
+                attempt(
+                    label,
+                    K.elem.qk_norm_rope_store,
+                    *rope_args,
+                    EPS,
+                    cache,
+                    cache,
+                    positions,
+                    *scales,
+                    heads_per_program=per_program,
+                    pdl=True,
+                )
+        empty = t(0)
+        attempt(
+            f"qk_norm_rope_store T={tokens} no cache",
+            K.elem.qk_norm_rope_store,
+            qkv,
+            positions,
+            torch.zeros(4096, HEAD_DIM),
+            HEADS,
+            KV_HEADS,
+            HEAD_DIM,
+            None,
+            None,
+            EPS,
+            empty,
+            empty,
+            positions,
+        )
+    for batch in (1, 256):
+        rows = torch.zeros(batch, dtype=torch.long)
+        for chunk in (None, 1024, 2048, 4096):
+            attempt(
+                f"gumbel_sample B={batch} chunk={chunk}",
+                K.samp.gumbel_sample,
+                t(batch, VOCAB),
+                torch.ones(batch),
+                rows,
+                rows,
+                chunk_size=chunk,
+                pdl=True,
+            )
+        attempt(f"uniform_noise B={batch}", K.samp.uniform_noise, rows, rows, VOCAB)
+    for name, (n, k) in PROJECTIONS.items():
+        weight = t(n, k)
+        for m in (1, 2, 4, 8, 16):
+            for config in [None, *gemv_candidates(m, quick)]:
+                attempt(f"gemv {name} M={m} {config}", K.gemv.gemv, t(m, k), weight, config=config, pdl=True)
+    for cache_dtype in (DTYPE, FP8):
+        scales = {"k_scale": ones, "v_scale": ones} if cache_dtype == FP8 else {}
+        cache = t(300, 16, KV_HEADS, HEAD_DIM, dtype=cache_dtype)
+        kv = t(8, KV_HEADS, HEAD_DIM)
+        attempt(
+            f"store_kvcache {cache_dtype}",
+            K.attn.store_kvcache,
+            kv,
+            kv,
+            cache,
+            cache,
+            torch.zeros(8, dtype=torch.long),
+            **scales,
+        )
+        for batch in (1, 8, 256):
+            tables = torch.zeros(batch, 64, dtype=torch.int32)
+            lens = torch.zeros(batch, dtype=torch.int32)
+            for name, config in decode_configs(quick).items():
+                for pdl in (False, True):
+                    attempt(
+                        f"decode {cache_dtype} B={batch} {name} pdl={pdl}",
+                        K.attn.paged_decode_attention,
+                        t(batch, HEADS, HEAD_DIM),
+                        cache,
+                        cache,
+                        tables,
+                        lens,
+                        0.1,
+                        config=config,
+                        pdl=pdl,
+                        **scales,
+                    )
+        qsl = torch.zeros(30, dtype=torch.int32)
+        for name, config in prefill_configs(quick).items():
+            attempt(
+                f"prefill {cache_dtype} {name}",
+                K.attn.paged_prefill_attention,
+                t(1024, HEADS, HEAD_DIM),
+                cache,
+                cache,
+                qsl,
+                torch.zeros(29, dtype=torch.int32),
+                torch.zeros(29, 64, dtype=torch.int32),
+                1024,
+                0.1,
+                config=config,
+                **scales,
+            )
+    log(
+        f"\n{len(compiled)} launches compiled, {len(failures)} failures"
+        + "".join(f"\n  {f}" for f in failures)
+    )
+    return 1 if failures else 0
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def guarded(name: str, stage: Callable) -> None:
+    """Runs one section; an exception is recorded and the run goes on."""
+    started = time.perf_counter()
+    try:
+        stage()
+    except Exception:  # noqa: BLE001 - keep the other sections' numbers
+        tb = traceback.format_exc()
+        log(tb)
+        RESULTS.setdefault("errors", {})[name] = tb[-3000:]
+        TABLE.append((name, "ERROR (see log)"))
+        torch.cuda.synchronize()
+    log(f"[{name}] {time.perf_counter() - started:.1f} s")
+
+
+SECTIONS = ("ceiling", "correctness", "elementwise", "sampler", "gemv", "decode", "prefill", "mock_step")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller correctness grid and fewer variants")
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
+    parser.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90; no GPU")
     opts = parser.parse_args()
+    if opts.compile_only:
+        return compile_only(opts.quick)
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+        print("needs a CUDA GPU (or --compile-only)", file=sys.stderr)
         return 2
+    import triton
+
+    global K
+    K = _modules()
     props = torch.cuda.get_device_properties(0)
     RESULTS["env"] = {
-        "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-        "triton": triton.__version__, "varlen_attn": varlen.varlen_attn_available(),
-        "varlen_attn_params": sorted(varlen._varlen_api()[1]) if varlen.varlen_attn_available() else None,
-    }  # fmt: skip
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
     log(json.dumps(RESULTS["env"]))
     out_dir = Path(os.environ.get("OUT", "."))
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    start = time.perf_counter()
-    stages = [("ceiling", time_ceiling)]
-    if not opts.skip_correctness:
-        stages.append(("correctness", lambda: run_correctness(opts.quick)))
-    stages += [
-        ("store", lambda: time_store(gen)),
-        ("decode", lambda: time_decode(gen, opts.quick)),
-        ("prefill", lambda: time_prefill(gen, opts.quick)),
-    ]
-    for name, stage in stages:
-        t0 = time.perf_counter()
-        try:
-            stage()
-        except Exception:  # noqa: BLE001 - keep the other stages' numbers
-            tb = traceback.format_exc()
-            log(tb)
-            RESULTS.setdefault("errors", {})[name] = tb[-2000:]
-            TABLE.append((name, "ERROR (see log)"))
-        log(f"[{name}] {time.perf_counter() - t0:.1f} s")
-        (out_dir / "gpu_kernels.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    RESULTS["wall_s"] = time.perf_counter() - start
-    (out_dir / "gpu_kernels.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    width = max(len(k) for k, _ in TABLE)
-    print("\n" + "=" * 100)
+    started = time.perf_counter()
+    stages = {
+        "ceiling": time_ceiling,
+        "correctness": lambda: run_correctness(opts.quick),
+        "elementwise": lambda: time_elementwise(gen, opts.quick),
+        "sampler": lambda: time_sampler(gen, opts.quick),
+        "gemv": lambda: time_gemv(gen, opts.quick),
+        "decode": lambda: time_decode(gen, opts.quick),
+        "prefill": lambda: time_prefill(gen, opts.quick),
+        "mock_step": lambda: time_mock_step(gen, opts.quick),
+    }
+    wanted = opts.only or [s for s in SECTIONS if not (s == "correctness" and opts.skip_correctness)]
+    for name in SECTIONS:
+        if name in wanted:
+            guarded(name, stages[name])
+            RESULTS["wall_s"] = time.perf_counter() - started
+            (out_dir / "gpu_kernels.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    width = max((len(k) for k, _ in TABLE), default=0)
+    print("\n" + "=" * 120)
     for key, value in TABLE:
         print(f"{key:<{width}}  {value}")
     failures = RESULTS.get("correctness_summary", {}).get("failures", 0)

@@ -2,6 +2,8 @@
 
 Every kernel matches `attention_ref` (the tests check it). The cache layout is
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is ``block * block_size + offset``.
+An FP8 (``torch.float8_e4m3fn``) cache is quantized on write (``clamp(x / scale, +-448)``) and
+dequantized in registers on read: K's scale folds into the softmax scale, V's into the output.
 
 CUDA-graph safety: no function here reads a device value on the host. Launch grids depend only on
 tensor shapes; per-sequence lengths are read inside the kernels, and work past a sequence's end is
@@ -16,17 +18,83 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels.attention_ref import FP8_DTYPE, FP8_MAX, check_kv_scales
+from nanoinfer.kernels.triton_elementwise import launch_options, pdl_prologue
+
 _LOG2E = 1.4426950408889634
-_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Split-count heuristic, from H200 timings (bf16, head_dim 128) of (sequence, kv head, split) programs:
-# with at least 3 programs per SM already, splitting only adds merge work (batch 64 x 4096 context:
-# 4.2 TB/s unsplit, 4.0 with 4 splits); below that, about 4 programs per SM with a power-of-two split
-# count did best (batch 32 x 4096: 2 splits 3.8 TB/s vs 3, 5 or 20 splits 3.4-3.5; batch 8 x 8192:
-# 8 splits 3.3 vs 4, 9, 17 or 64 splits 3.0-3.2; batch 1 x 32768: 64 splits 2.6 vs 32 or 128: 2.5).
+_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CACHE_DTYPES = (*_QUERY_DTYPES, FP8_DTYPE)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+# With at least this many (sequence, kv head) programs per SM, splitting only adds merge work (H200,
+# bf16, head_dim 128: batch 64 x 4096 context, 4.2 TB/s unsplit against 4.0 with 4 splits).
 _DECODE_NO_SPLIT_PROGRAMS_PER_SM = 3
-_DECODE_TARGET_PROGRAMS_PER_SM = 4
-_DECODE_MAX_SPLITS = 64
-_DECODE_BLOCK_N = 64
+# Decode modes (the kernel's MODE): one split; splits merged by a second kernel; splits merged by the
+# last split program of each (sequence, kv head) to finish, found with an atomic counter.
+_MODE_SINGLE = tl.constexpr(0)
+_MODE_MERGE_KERNEL = tl.constexpr(1)
+_MODE_FUSED = tl.constexpr(2)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How ``paged_decode_attention`` splits and tiles the work.
+
+    ``mode``: ``"fused"`` (one launch; each sequence's split count is chosen on the device from its own
+    length, at least ``min_split_tiles`` key tiles per split, and a sequence that needs one split
+    writes its output directly) or ``"merge_kernel"`` (the earlier scheme: every grid split writes a
+    partial and a second kernel merges them). The grid's split count aims at
+    ``target_programs_per_sm`` programs per SM, at most ``max_splits``.
+    """
+
+    mode: str = "fused"
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    min_split_tiles: int = 1
+    target_programs_per_sm: int = 4
+    max_splits: int = 64
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("fused", "merge_kernel"):
+            raise ValueError(f"DecodeConfig.mode must be 'fused' or 'merge_kernel', got {self.mode!r}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
+        for name in ("num_warps", "num_stages", "min_split_tiles", "target_programs_per_sm", "max_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+# The scheme measured on the H200 before the fused mode (split count rounded down to a power of two:
+# batch 32 x 4096, 2 splits 3.8 TB/s against 3.4-3.5 with 3, 5 or 20; batch 8 x 8192, 8 splits 3.3
+# against 3.0-3.2 with 4, 9, 17 or 64).
+MERGE_KERNEL_DECODE = DecodeConfig(mode="merge_kernel")
+DEFAULT_DECODE = DecodeConfig()
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tiling of ``paged_prefill_attention``: ``block_m`` query rows per program (with ``pack_gqa``
+    the rows are (token, query head) pairs of the heads sharing one KV head, so that each K/V tile is
+    loaded once for all of them), ``block_n`` keys per tile."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    pack_gqa: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"PrefillConfig.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError("PrefillConfig.num_warps and num_stages must be >= 1")
+
+
+# Measured on an H200 (head_dim 128, bf16): 64 x 64 tiles with 4 warps beat 128-row tiles by 5-10%.
+DEFAULT_PREFILL = PrefillConfig()
+SHORT_QUERY_PREFILL = PrefillConfig(block_m=16)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -40,8 +108,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"k_cache/v_cache dtype must be one of {_SUPPORTED_DTYPES}, got {k_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"k_cache/v_cache dtype must be one of {_CACHE_DTYPES}, got {k_cache.dtype}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must be contiguous along head_dim (stride(-1) == 1)")
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -55,6 +123,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
 def _check_heads(query: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
     if query.dim() != 3 or query.shape[-1] != head_dim:
         raise ValueError(f"query must be [tokens, num_heads, {head_dim}], got {tuple(query.shape)}")
+    if query.dtype not in _QUERY_DTYPES:
+        raise ValueError(f"query dtype must be one of {_QUERY_DTYPES}, got {query.dtype}")
     num_heads = query.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"query num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -70,9 +140,34 @@ def _group_block(group: int) -> int:
     return max(16, triton.next_power_of_2(group))
 
 
+def _scale_args(k_scale, v_scale, dummy: torch.Tensor) -> dict:
+    """Kernel pointers and flags for the optional FP8 scales (a dummy pointer when absent)."""
+    return {
+        "k_scale_ptr": k_scale if k_scale is not None else dummy,
+        "v_scale_ptr": v_scale if v_scale is not None else dummy,
+        "K_SCALED": k_scale is not None,
+        "V_SCALED": v_scale is not None,
+    }
+
+
+@triton.jit
+def _load_scale(scale_ptr, SCALED: tl.constexpr):
+    if SCALED:
+        return tl.load(scale_ptr)
+    else:
+        return 1.0
+
+
 # ----------------------------------------------------------------------------------------------------
 # store_kvcache
 # ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _to_cache(x, scale, cache_ptr, FP8: tl.constexpr):
+    if FP8:
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -82,6 +177,8 @@ def _store_kvcache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_kv_heads,
     stride_kt,
     stride_kh,
@@ -96,6 +193,9 @@ def _store_kvcache_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr,
+    K_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -109,13 +209,13 @@ def _store_kvcache_kernel(
     k_dst = (
         k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
     )
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, _to_cache(k, _load_scale(k_scale_ptr, K_SCALED), k_cache_ptr, FP8), mask=mask)
 
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     v_dst = (
         v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
     )
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, _to_cache(v, _load_scale(v_scale_ptr, V_SCALED), v_cache_ptr, FP8), mask=mask)
 
 
 def store_kvcache(
@@ -124,10 +224,14 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ([tokens, num_kv_heads, head_dim], any token/head strides) into the
-    cache at ``slot_mapping`` ([tokens] int32/int64); slot -1 rows are skipped."""
+    cache at ``slot_mapping`` ([tokens] int32/int64); slot -1 rows are skipped. An FP8 cache stores
+    clamp(x / scale, -448, 448) in e4m3 (scales: 1-element float32 tensors, None = 1)."""
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     if slot_mapping.dim() != 1 or tuple(key.shape) != expected or tuple(value.shape) != expected:
         raise ValueError(
@@ -145,21 +249,23 @@ def store_kvcache(
         k_cache,
         v_cache,
         slot_mapping,
-        num_kv_heads,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        num_kv_heads=num_kv_heads,
+        stride_kt=key.stride(0),
+        stride_kh=key.stride(1),
+        stride_vt=value.stride(0),
+        stride_vh=value.stride(1),
+        stride_kcb=k_cache.stride(0),
+        stride_kcs=k_cache.stride(1),
+        stride_kch=k_cache.stride(2),
+        stride_vcb=v_cache.stride(0),
+        stride_vcs=v_cache.stride(1),
+        stride_vch=v_cache.stride(2),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=4,
+        **_scale_args(k_scale, v_scale, key),
     )
 
 
@@ -168,13 +274,118 @@ def store_kvcache(
 # ----------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _decode_range(
+    q,
+    k_head,
+    v_head,
+    table_row,
+    start,
+    end,
+    qk_scale,
+    stride_kcb,
+    stride_kcs,
+    stride_vcb,
+    stride_vcs,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online softmax of the query rows ``q`` [BLOCK_G, D] over keys [start, end): (acc, m, l) with
+    scores in log2 units. An empty range gives l == 0."""
+    dims = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    # Every tile visited holds at least one valid key, so m_i is finite after the first tile.
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+        offsets = tokens % BLOCK_SIZE
+        k = tl.load(
+            k_head + (block_ids * stride_kcb + offsets * stride_kcs)[:, None] + dims[None, :],
+            mask=token_mask[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_head + (block_ids * stride_vcb + offsets * stride_vcs)[:, None] + dims[None, :],
+            mask=token_mask[:, None],
+            other=0.0,
+        )
+        scores = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _merge_partials(
+    partial_out_ptr, partial_lse_ptr, part_rows, split_mask, HEAD_DIM: tl.constexpr, BYPASS_L1: tl.constexpr
+):
+    """Log-sum-exp weighted sum of the normalised partial outputs of one query head: [HEAD_DIM]."""
+    dims = tl.arange(0, HEAD_DIM)
+    if BYPASS_L1:
+        # Written by other programs of this grid: read from L2, never from a stale L1 line.
+        lse = tl.load(partial_lse_ptr + part_rows, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(
+            partial_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
+            mask=split_mask[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+    else:
+        lse = tl.load(partial_lse_ptr + part_rows, mask=split_mask, other=float("-inf"))
+        parts = tl.load(
+            partial_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
+            mask=split_mask[:, None],
+            other=0.0,
+        )
+    lse_max = tl.max(lse, axis=0)
+    # All splits empty (seq_len 0, a CUDA-graph padding row): every weight is 0 and the output is 0.
+    weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    total = tl.sum(weights, axis=0)
+    return tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+
+
+@triton.jit
+def _store_partial(
+    partial_out_ptr,
+    partial_lse_ptr,
+    acc,
+    m_i,
+    l_i,
+    seq,
+    heads,
+    row_mask,
+    split,
+    group,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+):
+    """A split's normalised output and log2-sum-exp (-inf for an empty range) in the workspace, laid out
+    [batch, num_heads, num_splits, (HEAD_DIM)]."""
+    num_heads = tl.num_programs(1) * group
+    part_row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
+    dims = tl.arange(0, HEAD_DIM)
+    tl.store(partial_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
+    has_keys = l_i > 0.0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(partial_lse_ptr + part_row, lse, mask=row_mask)
+
+
 # Triton compiles a separate variant of a kernel for each class of value of its integer arguments (1,
-# a multiple of 16, other). The arguments that change from batch to batch (sequence and token counts,
-# the block-table width, the split count) are left out of that, so that a new combination met in the
-# middle of a run does not cost a compilation (about a second when Triton's disk cache lacks it).
-# None of them is a stride of vectorized loads, so no variant would be faster.
+# a multiple of 16, other). The arguments that change from batch to batch (the split count, the
+# block-table width) are left out of that, so that a new combination met in the middle of a run does
+# not cost a compilation (about a second when Triton's disk cache lacks it).
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
-def _decode_split_kernel(
+def _decode_kernel(
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -183,6 +394,9 @@ def _decode_split_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    counters_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     group,
     num_splits,
@@ -201,74 +415,98 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    MODE: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
+    K_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program = one (sequence, kv head, split): the query heads sharing that kv head are the rows
-    of one tl.dot tile. With SINGLE_SPLIT the normalised output is written directly; otherwise the
-    split's normalised partial output and its log2-sum-exp go to the workspace for the merge."""
+    of one tl.dot tile. A split either writes the normalised output directly (the only split of its
+    sequence) or its normalised partial output and log2-sum-exp for the merge."""
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Splits are sized on the device from this sequence's length (rounded to whole key tiles), so the
-    # grid only depends on static shapes; splits past the end have an empty range.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-
-    rows = tl.arange(0, BLOCK_G)
-    dims = tl.arange(0, HEAD_DIM)
-    row_mask = rows < group
-    heads = kv_head * group + rows
-    q = tl.load(
-        query_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-        mask=row_mask[:, None],
-        other=0.0,
-    )
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head * stride_kch
-    v_head = v_cache_ptr + kv_head * stride_vch
-    # Every tile visited holds at least one valid key, so m_i is finite after the first tile.
-    for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-        offsets = tokens % BLOCK_SIZE
-        k = tl.load(
-            k_head + (block_ids * stride_kcb + offsets * stride_kcs)[:, None] + dims[None, :],
-            mask=token_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_head + (block_ids * stride_vcb + offsets * stride_vcs)[:, None] + dims[None, :],
-            mask=token_mask[:, None],
-            other=0.0,
-        )
-        scores = tl.dot(q, tl.trans(k)) * scale_log2
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    # Empty ranges (seq_len 0, or a split past the end) give l_i == 0: output 0, lse -inf.
-    has_keys = l_i > 0.0
-    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if SINGLE_SPLIT:
-        out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    # Splits are sized on the device from this sequence's length (whole key tiles), so the grid only
+    # depends on static shapes. The merge-kernel mode keeps every grid split (those past the end have
+    # an empty range); the fused mode uses only as many as the sequence needs.
+    if MODE == _MODE_FUSED:
+        tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits), MIN_SPLIT_TILES)
+        split_len = tiles_per_split * BLOCK_N
+        used_splits = tl.maximum(tl.cdiv(seq_len, split_len), 1)
+    elif MODE == _MODE_MERGE_KERNEL:
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        used_splits = num_splits
     else:
-        num_heads = tl.num_programs(1) * group
-        part_row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
-        tl.store(partial_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(partial_lse_ptr + part_row, lse, mask=row_mask)
+        split_len = seq_len
+        used_splits = 1
+    if split < used_splits:
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        rows = tl.arange(0, BLOCK_G)
+        dims = tl.arange(0, HEAD_DIM)
+        row_mask = rows < group
+        heads = kv_head * group + rows
+        q = tl.load(
+            query_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+            mask=row_mask[:, None],
+            other=0.0,
+        )
+        qk_scale = scale_log2 * _load_scale(k_scale_ptr, K_SCALED)
+        acc, m_i, l_i = _decode_range(
+            q,
+            k_cache_ptr + kv_head * stride_kch,
+            v_cache_ptr + kv_head * stride_vch,
+            block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            start,
+            end,
+            qk_scale,
+            stride_kcb,
+            stride_kcs,
+            stride_vcb,
+            stride_vcs,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_G,
+            BLOCK_N,
+        )
+        # Empty ranges (seq_len 0, or a split past the end) give l_i == 0: output 0, lse -inf.
+        has_keys = l_i > 0.0
+        acc = acc * (_load_scale(v_scale_ptr, V_SCALED) / tl.where(has_keys, l_i, 1.0))[:, None]
+        if MODE == _MODE_MERGE_KERNEL:
+            _store_partial(
+                partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split, group,
+                num_splits, HEAD_DIM,
+            )  # fmt: skip
+        elif used_splits == 1:
+            out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        else:
+            _store_partial(
+                partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split, group,
+                num_splits, HEAD_DIM,
+            )  # fmt: skip
+            # Every thread's partial stores come before the counter's release; the last split to arrive
+            # (acquire) merges them all and resets the counter for the next launch.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == used_splits - 1:
+                num_heads = tl.num_programs(1) * group
+                splits = tl.arange(0, BLOCK_S)
+                split_mask = splits < used_splits
+                for g in range(group):
+                    head = kv_head * group + g
+                    part_rows = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
+                    merged = _merge_partials(
+                        partial_out_ptr, partial_lse_ptr, part_rows, split_mask, HEAD_DIM, True
+                    )
+                    out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
+                    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -281,23 +519,19 @@ def _decode_merge_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program = one (sequence, query head): log-sum-exp weighted sum of the split outputs."""
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, HEAD_DIM)
-    split_mask = splits < num_splits
-    part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
-    lse = tl.load(partial_lse_ptr + part_row, mask=split_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    # All splits empty (seq_len 0, a CUDA-graph padding row): every weight is 0 and the output is 0.
-    weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    total = tl.sum(weights, axis=0)
-    parts = tl.load(partial_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_mask[:, None])
-    merged = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
+    part_rows = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
+    merged = _merge_partials(
+        partial_out_ptr, partial_lse_ptr, part_rows, splits < num_splits, HEAD_DIM, False
+    )
+    out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + tl.arange(0, HEAD_DIM)
     tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
 
 
@@ -307,26 +541,33 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Static split count for a decode launch (it depends on shapes only, never on seq_lens): enough
-    (sequence, kv head, split) programs to keep every multiprocessor busy, never more splits than the
-    context has key tiles."""
+def decode_num_splits(
+    batch: int, num_kv_heads: int, max_context: int, num_sms: int, config: DecodeConfig = DEFAULT_DECODE
+) -> int:
+    """Static split count of a decode launch's grid (it depends on shapes only, never on seq_lens):
+    enough (sequence, kv head, split) programs to keep every multiprocessor busy, never more splits
+    than the context has (minimum-size) splits."""
     programs = max(1, batch * num_kv_heads)
     if programs >= _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
         return 1
-    wanted = triton.cdiv(_DECODE_TARGET_PROGRAMS_PER_SM * num_sms, programs)
-    usable = max(1, triton.cdiv(max_context, _DECODE_BLOCK_N))
-    splits = min(wanted, usable, _DECODE_MAX_SPLITS)
-    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+    wanted = triton.cdiv(config.target_programs_per_sm * num_sms, programs)
+    min_tiles = config.min_split_tiles if config.mode == "fused" else 1
+    usable = max(1, triton.cdiv(max_context, config.block_n * min_tiles))
+    splits = min(wanted, usable, config.max_splits)
+    if config.mode == "merge_kernel":
+        return 1 << (splits.bit_length() - 1)  # round down to a power of two
+    return splits
 
 
 @dataclass
 class DecodeWorkspace:
-    """Preallocated fp32 scratch for split-KV decode; allocate once (e.g. before CUDA-graph capture)
-    with :meth:`allocate` for the largest batch and pass it to every call."""
+    """Preallocated scratch for split-KV decode; allocate once (e.g. before CUDA-graph capture) with
+    :meth:`allocate` for the largest batch and pass it to every call (every layer may share one: the
+    counters are back to zero after each call)."""
 
-    partial_out: torch.Tensor  # flat, >= batch * num_heads * splits * head_dim
-    partial_lse: torch.Tensor  # flat, >= batch * num_heads * splits
+    partial_out: torch.Tensor  # float32, flat, >= batch * num_heads * splits * head_dim
+    partial_lse: torch.Tensor  # float32, flat, >= batch * num_heads * splits
+    counters: torch.Tensor  # int32 zeros, >= batch * num_kv_heads (fused mode)
 
     @classmethod
     def allocate(
@@ -337,15 +578,18 @@ class DecodeWorkspace:
         head_dim: int,
         max_context: int,
         device: torch.device | str,
+        config: DecodeConfig = DEFAULT_DECODE,
     ) -> DecodeWorkspace:
         device = torch.device(device)
         num_sms = _num_sms(device)
         rows = max(
-            b * decode_num_splits(b, num_kv_heads, max_context, num_sms) for b in range(1, max_batch + 1)
+            b * decode_num_splits(b, num_kv_heads, max_context, num_sms, config)
+            for b in range(1, max_batch + 1)
         )
         return cls(
             partial_out=torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(rows * num_heads, dtype=torch.float32, device=device),
+            counters=torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device),
         )
 
 
@@ -358,11 +602,17 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One new query per sequence: ``query`` [batch, num_heads, head_dim] attends over the first
-    ``seq_lens[b]`` cached tokens of its sequence. Rows with seq_len 0 give zeros."""
+    ``seq_lens[b]`` cached tokens of its sequence. Rows with seq_len 0 give zeros. An FP8 cache is
+    dequantized with ``k_scale`` / ``v_scale`` (1-element float32 tensors, None = 1)."""
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     group = _check_heads(query, num_kv_heads, head_dim)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     batch, num_heads, _ = query.shape
     if seq_lens.shape != (batch,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(
@@ -375,12 +625,36 @@ def paged_decode_attention(
         raise ValueError(f"out must be {tuple(query.shape)} with stride(-1) == 1, got {tuple(out.shape)}")
     if batch == 0:
         return out
+    config = config or DEFAULT_DECODE
     query = _last_dim_contiguous(query)
     block_tables = _last_dim_contiguous(block_tables)
     max_context = block_tables.shape[1] * block_size
-    num_splits = decode_num_splits(batch, num_kv_heads, max_context, _num_sms(query.device))
-    _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace, num_splits, group)
+    num_splits = decode_num_splits(batch, num_kv_heads, max_context, _num_sms(query.device), config)
+    _launch_decode(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace, num_splits, group, config,
+        k_scale, v_scale, pdl,
+    )  # fmt: skip
     return out
+
+
+def _decode_workspace(workspace, batch, num_heads, num_kv_heads, head_dim, num_splits, device):
+    rows = batch * num_heads * num_splits
+    if workspace is None:
+        return DecodeWorkspace(
+            partial_out=torch.empty(rows * head_dim, dtype=torch.float32, device=device),
+            partial_lse=torch.empty(rows, dtype=torch.float32, device=device),
+            counters=torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device),
+        )
+    if (
+        workspace.partial_out.numel() < rows * head_dim
+        or workspace.partial_lse.numel() < rows
+        or workspace.counters.numel() < batch * num_kv_heads
+    ):
+        raise ValueError(
+            f"workspace too small for batch={batch}, num_heads={num_heads}, splits={num_splits}, "
+            f"head_dim={head_dim}: allocate it with DecodeWorkspace.allocate for the largest batch"
+        )
+    return workspace
 
 
 def _launch_decode(
@@ -394,30 +668,27 @@ def _launch_decode(
     workspace,
     num_splits,
     group,
-    block_n=_DECODE_BLOCK_N,
-    num_warps=4,
-    num_stages=3,
+    config=DEFAULT_DECODE,
+    k_scale=None,
+    v_scale=None,
+    pdl=False,
 ):
+    """Launches decode with an explicit grid split count (the GPU script sweeps it)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = num_heads // group
-    block_size = k_cache.shape[1]
-    single = num_splits == 1
-    if single:
+    if num_splits == 1:
+        mode = _MODE_SINGLE.value
         partial_out = partial_lse = out  # unused by the kernel
+        counters = seq_lens
     else:
-        rows = batch * num_heads * num_splits
-        if workspace is None:
-            workspace = DecodeWorkspace(
-                partial_out=torch.empty(rows * head_dim, dtype=torch.float32, device=query.device),
-                partial_lse=torch.empty(rows, dtype=torch.float32, device=query.device),
-            )
-        elif workspace.partial_out.numel() < rows * head_dim or workspace.partial_lse.numel() < rows:
-            raise ValueError(
-                f"workspace too small for batch={batch}, num_heads={num_heads}, splits={num_splits}, "
-                f"head_dim={head_dim}: allocate it with DecodeWorkspace.allocate for the largest batch"
-            )
-        partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        mode = (_MODE_FUSED if config.mode == "fused" else _MODE_MERGE_KERNEL).value
+        workspace = _decode_workspace(
+            workspace, batch, num_heads, num_kv_heads, head_dim, num_splits, query.device
+        )
+        partial_out, partial_lse, counters = workspace.partial_out, workspace.partial_lse, workspace.counters
+    block_s = triton.next_power_of_2(num_splits)
+    options = launch_options(pdl, query.device)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,
         v_cache,
@@ -426,29 +697,35 @@ def _launch_decode(
         out,
         partial_out,
         partial_lse,
-        scale * _LOG2E,
-        group,
-        num_splits,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_SIZE=block_size,
+        counters,
+        scale_log2=scale * _LOG2E,
+        group=group,
+        num_splits=num_splits,
+        stride_qb=query.stride(0),
+        stride_qh=query.stride(1),
+        stride_kcb=k_cache.stride(0),
+        stride_kcs=k_cache.stride(1),
+        stride_kch=k_cache.stride(2),
+        stride_vcb=v_cache.stride(0),
+        stride_vcs=v_cache.stride(1),
+        stride_vch=v_cache.stride(2),
+        stride_bt=block_tables.stride(0),
+        stride_ob=out.stride(0),
+        stride_oh=out.stride(1),
+        BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_G=_group_block(group),
-        BLOCK_N=block_n,
-        SINGLE_SPLIT=single,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=config.block_n,
+        BLOCK_S=block_s,
+        MODE=mode,
+        MIN_SPLIT_TILES=config.min_split_tiles,
+        USE_PDL=pdl,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **_scale_args(k_scale, v_scale, out),
+        **options,
     )
-    if not single:
+    if mode == _MODE_MERGE_KERNEL.value:
         _decode_merge_kernel[(batch, num_heads)](
             partial_out,
             partial_lse,
@@ -457,8 +734,10 @@ def _launch_decode(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=block_s,
+            USE_PDL=pdl,
             num_warps=4,
+            **options,
         )
 
 
@@ -479,7 +758,7 @@ def _prefill_tile(
     tile_start,
     query_pos,
     seq_len,
-    scale_log2,
+    qk_scale,
     dims,
     stride_kcb,
     stride_kcs,
@@ -504,7 +783,7 @@ def _prefill_tile(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    scores = tl.dot(q, tl.trans(k)) * scale_log2
+    scores = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
     if MASKED:
         visible = (tokens[None, :] <= query_pos[:, None]) & token_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -512,7 +791,7 @@ def _prefill_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return acc, m_new, l_i
 
 
@@ -525,6 +804,8 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     group,
     num_seqs,
@@ -544,107 +825,90 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PACK: tl.constexpr,
+    K_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr,
 ):
-    """One program = one (query head, sequence, query tile). The extra sequence index ``num_seqs``
-    zero-fills query rows past query_start_loc[-1] (padding), as the reference does."""
-    head = tl.program_id(0)
+    """One program = one (head slot, sequence, query tile). Without packing (PACK == 1) the head slot
+    is a query head and the tile's BLOCK_M rows are tokens; with packing it is a KV head and row r is
+    token r // PACK, query head kv_head * group + r % PACK (rows past the group masked), so each K/V
+    tile is loaded once for the whole group. The extra sequence index ``num_seqs`` zero-fills query
+    rows past query_start_loc[-1] (padding), as the reference does."""
+    slot = tl.program_id(0)
     seq = tl.program_id(1)
     # Causal work grows with the tile index: the slowest grid axis runs the last (heaviest) tiles first
     # so the light ones fill the tail; the heads of one tile run side by side and share K/V in L2.
     num_q_tiles = tl.num_programs(2)
     q_tile = num_q_tiles - 1 - tl.program_id(2)
+    tile_tokens: tl.constexpr = BLOCK_M // PACK
     dims = tl.arange(0, HEAD_DIM)
     rows = tl.arange(0, BLOCK_M)
+    row_token = rows // PACK
+    if PACK == 1:
+        kv_head = slot // group
+        heads = slot + rows * 0
+        head_mask = rows >= 0
+    else:
+        kv_head = slot
+        heads = slot * group + rows % PACK
+        head_mask = (rows % PACK) < group
     if seq == num_seqs:
         tail_start = tl.load(query_start_loc_ptr + num_seqs)
         zeros = tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
-        for row_start in range(tail_start + q_tile * BLOCK_M, num_tokens, num_q_tiles * BLOCK_M):
-            token = row_start + rows
-            out_ptrs = out_ptr + token.to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
-            tl.store(out_ptrs, zeros, mask=(token < num_tokens)[:, None])
+        for tile_token_start in range(
+            tail_start + q_tile * tile_tokens, num_tokens, num_q_tiles * tile_tokens
+        ):
+            token = tile_token_start + row_token
+            out_ptrs = (
+                out_ptr + token.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+            )
+            tl.store(out_ptrs, zeros, mask=((token < num_tokens) & head_mask)[:, None])
     else:
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-        if q_tile * BLOCK_M < q_len:
+        if q_tile * tile_tokens < q_len:
             seq_len = tl.load(seq_lens_ptr + seq)
             prefix_len = seq_len - q_len
-            q_idx = q_tile * BLOCK_M + rows
-            row_mask = q_idx < q_len
+            q_idx = q_tile * tile_tokens + row_token
+            row_mask = (q_idx < q_len) & head_mask
             token = (q_start + q_idx).to(tl.int64)
             q = tl.load(
-                query_ptr + token[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                query_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_mask[:, None],
                 other=0.0,
             )
             query_pos = prefix_len + q_idx
+            qk_scale = scale_log2 * _load_scale(k_scale_ptr, K_SCALED)
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            kv_head = head // group
             table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
             k_head = k_cache_ptr + kv_head * stride_kch
             v_head = v_cache_ptr + kv_head * stride_vch
             # Keys before the tile's first query position are visible to every row: no mask there.
-            first_pos = prefix_len + q_tile * BLOCK_M
+            first_pos = prefix_len + q_tile * tile_tokens
             unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
             for tile_start in range(0, unmasked_end, BLOCK_N):
                 acc, m_i, l_i = _prefill_tile(
-                    q,
-                    acc,
-                    m_i,
-                    l_i,
-                    k_head,
-                    v_head,
-                    table_row,
-                    tile_start,
-                    query_pos,
-                    seq_len,
-                    scale_log2,
-                    dims,
-                    stride_kcb,
-                    stride_kcs,
-                    stride_vcb,
-                    stride_vcs,
-                    BLOCK_SIZE,
-                    BLOCK_N,
-                    False,
-                )
-            # The diagonal tiles. The first one holds key `unmasked_end` <= every row's position,
-            # so m_i is finite after it and fully masked rows later never give exp2(-inf + inf).
-            kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+                    q, acc, m_i, l_i, k_head, v_head, table_row, tile_start, query_pos, seq_len, qk_scale,
+                    dims, stride_kcb, stride_kcs, stride_vcb, stride_vcs, BLOCK_SIZE, BLOCK_N, False,
+                )  # fmt: skip
+            # The diagonal tiles, up to the tile's last query position (keys past it are masked for
+            # every row). The first one holds key `unmasked_end` <= every row's position, so m_i is
+            # finite after it and fully masked rows later never give exp2(-inf + inf).
+            kv_end = tl.minimum(seq_len, first_pos + tile_tokens)
             for tile_start in range(unmasked_end, kv_end, BLOCK_N):
                 acc, m_i, l_i = _prefill_tile(
-                    q,
-                    acc,
-                    m_i,
-                    l_i,
-                    k_head,
-                    v_head,
-                    table_row,
-                    tile_start,
-                    query_pos,
-                    seq_len,
-                    scale_log2,
-                    dims,
-                    stride_kcb,
-                    stride_kcs,
-                    stride_vcb,
-                    stride_vcs,
-                    BLOCK_SIZE,
-                    BLOCK_N,
-                    True,
-                )
-            acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-            out_ptrs = out_ptr + token[:, None] * stride_ot + head * stride_oh + dims[None, :]
+                    q, acc, m_i, l_i, k_head, v_head, table_row, tile_start, query_pos, seq_len, qk_scale,
+                    dims, stride_kcb, stride_kcs, stride_vcb, stride_vcs, BLOCK_SIZE, BLOCK_N, True,
+                )  # fmt: skip
+            acc = acc * (_load_scale(v_scale_ptr, V_SCALED) / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+            out_ptrs = out_ptr + token[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _prefill_config(max_query_len: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
-    # Measured on an H200 (head_dim 128, bf16): 64 x 64 tiles with 4 warps beat 128-row tiles by 5-10%.
-    if max_query_len <= 16:
-        return 16, 64, 4, 3
-    return 64, 64, 4, 3
+def _prefill_config(max_query_len: int) -> PrefillConfig:
+    return SHORT_QUERY_PREFILL if max_query_len <= 16 else DEFAULT_PREFILL
 
 
 def paged_prefill_attention(
@@ -657,12 +921,17 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries (its last ``q_len`` positions) over its whole
     paged context; same semantics as ``paged_attention_ref``. ``max_query_len`` must be >= every
-    sequence's query length (it sizes the grid)."""
+    sequence's query length (it sizes the grid). An FP8 cache is dequantized with ``k_scale`` /
+    ``v_scale``. ``config`` picks the tiling (default: by ``max_query_len``)."""
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     group = _check_heads(query, num_kv_heads, head_dim)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     num_seqs = seq_lens.shape[0]
     if (
         seq_lens.dim() != 1
@@ -683,32 +952,44 @@ def paged_prefill_attention(
         raise ValueError(f"out must be {tuple(query.shape)} with stride(-1) == 1, got {tuple(out.shape)}")
     if num_tokens == 0:
         return out
+    config = config or _prefill_config(max_query_len)
+    pack = triton.next_power_of_2(group) if config.pack_gqa else 1
+    if pack > config.block_m:
+        raise ValueError(
+            f"PrefillConfig.block_m ({config.block_m}) must hold at least one token of the packed GQA "
+            f"group ({pack} rows)"
+        )
     query = _last_dim_contiguous(query)
     block_tables = _last_dim_contiguous(block_tables)
     _launch_prefill(
-        query,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        max_query_len,
-        scale,
-        out,
-        group,
-        _prefill_config(max_query_len),
-    )
+        query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len, scale, out, group,
+        config, k_scale, v_scale,
+    )  # fmt: skip
     return out
 
 
 def _launch_prefill(
-    query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len, scale, out, group, config
+    query,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    max_query_len,
+    scale,
+    out,
+    group,
+    config,
+    k_scale=None,
+    v_scale=None,
 ):
-    block_m, block_n, num_warps, num_stages = config
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
-    num_q_tiles = max(1, triton.cdiv(max_query_len, block_m))
-    _prefill_kernel[(num_heads, num_seqs + 1, num_q_tiles)](
+    pack = triton.next_power_of_2(group) if config.pack_gqa else 1
+    tile_tokens = config.block_m // pack
+    num_q_tiles = max(1, triton.cdiv(max_query_len, tile_tokens))
+    head_slots = num_heads // group if config.pack_gqa else num_heads
+    _prefill_kernel[(head_slots, num_seqs + 1, num_q_tiles)](
         query,
         k_cache,
         v_cache,
@@ -716,25 +997,27 @@ def _launch_prefill(
         query_start_loc,
         seq_lens,
         block_tables,
-        scale * _LOG2E,
-        group,
-        num_seqs,
-        num_tokens,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        scale_log2=scale * _LOG2E,
+        group=group,
+        num_seqs=num_seqs,
+        num_tokens=num_tokens,
+        stride_qt=query.stride(0),
+        stride_qh=query.stride(1),
+        stride_kcb=k_cache.stride(0),
+        stride_kcs=k_cache.stride(1),
+        stride_kch=k_cache.stride(2),
+        stride_vcb=v_cache.stride(0),
+        stride_vcs=v_cache.stride(1),
+        stride_vch=v_cache.stride(2),
+        stride_bt=block_tables.stride(0),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        PACK=pack,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **_scale_args(k_scale, v_scale, out),
     )

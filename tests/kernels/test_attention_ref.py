@@ -6,7 +6,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from nanoinfer.kernels.attention_ref import gather_kv_ref, paged_attention_ref, store_kvcache_ref
+from nanoinfer.kernels.attention_ref import (
+    FP8_DTYPE,
+    gather_kv_ref,
+    paged_attention_ref,
+    quantize_fp8_ref,
+    store_kvcache_ref,
+)
 
 
 def _naive_attention(q, k, v, scale):
@@ -146,3 +152,74 @@ def test_decode_ignores_garbage_beyond_each_sequence():
         query, k_cache, v_cache, torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens, block_tables, 0.3
     )
     assert torch.isfinite(out).all()
+
+
+# -- FP8 (e4m3) KV cache --------------------------------------------------------------------------------
+
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+E4M3_FINITE = E4M3_VALUES[E4M3_VALUES.isfinite()].unique()  # sorted
+
+
+def test_quantize_fp8_rounds_to_the_nearest_e4m3_value_and_clamps():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4000, generator=gen) * 200
+    scale = torch.tensor([0.5])
+    quantized = quantize_fp8_ref(x, scale).float()
+    exact = (x / 0.5).clamp(-448, 448)
+    # The nearest representable value: no other e4m3 value is closer to x / scale.
+    distance = (quantized - exact).abs()
+    nearest = (E4M3_FINITE[None, :] - exact[:, None]).abs().min(dim=1).values
+    assert torch.equal(distance, nearest)
+    assert quantized.abs().max() == 448  # values past the range are clamped, never NaN
+    assert torch.isfinite(quantize_fp8_ref(torch.tensor([1e9, -1e9, float("inf")]), None).float()).all()
+
+
+def test_store_kvcache_ref_fp8_stores_quantized_values():
+    gen = torch.Generator().manual_seed(4)
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 4, 16, 2, 16, 30
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=FP8_DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 30
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    k_scale, v_scale = torch.tensor([0.1]), torch.tensor([0.01])
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::4] = -1
+    store_kvcache_ref(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim).float()
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim).float()
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        # Dequantized: within half an e4m3 step (2^-4 relative) of the value, or clamped.
+        expected_k = key[t].clamp(-448 * 0.1, 448 * 0.1)
+        torch.testing.assert_close(flat_k[slot] * 0.1, expected_k, rtol=2**-4, atol=2**-9 * 0.1)
+        torch.testing.assert_close(flat_v[slot] * 0.01, value[t], rtol=2**-4, atol=2**-9 * 0.01)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    assert not flat_k[~written].any()
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]])
+def test_paged_attention_ref_fp8_equals_attention_over_the_dequantized_cache(case):
+    seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size = case
+    gen = torch.Generator().manual_seed(5)
+    c = _paged_case(gen, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size)
+    k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.03])
+    k_fp8, v_fp8 = quantize_fp8_ref(c.k_cache, k_scale), quantize_fp8_ref(c.v_cache, v_scale)
+    args = (c.query, c.query_start_loc, c.seq_lens, c.block_tables, head_dim**-0.5)
+    out = paged_attention_ref(c.query, k_fp8, v_fp8, *args[1:], k_scale, v_scale)
+    dequantized = paged_attention_ref(c.query, k_fp8.float() * 0.02, v_fp8.float() * 0.03, *args[1:])
+    torch.testing.assert_close(out, dequantized, rtol=1e-5, atol=1e-6)
+    # And close to the unquantized attention (e4m3 keeps 3 mantissa bits).
+    exact = paged_attention_ref(c.query, c.k_cache, c.v_cache, *args[1:])
+    assert ((out - exact).norm() / exact.norm()).item() < 0.1
+
+
+def test_kv_scales_are_rejected_without_an_fp8_cache():
+    cache = torch.zeros(2, 16, 1, 16)
+    key = torch.zeros(1, 1, 16)
+    with pytest.raises(ValueError, match="k_scale"):
+        store_kvcache_ref(key, key, cache, cache, torch.tensor([0]), k_scale=torch.tensor([1.0]))
+    fp8 = cache.to(FP8_DTYPE)
+    with pytest.raises(ValueError, match="v_scale"):
+        store_kvcache_ref(key, key, fp8, fp8, torch.tensor([0]), v_scale=torch.tensor([1.0, 2.0]))

@@ -1,58 +1,33 @@
-"""Triton kernels against the pure-PyTorch reference (CUDA only)."""
-
-import math
+"""Triton paged-attention kernels against the pure-PyTorch reference (GPU, or Triton's interpreter)."""
 
 import pytest
 import torch
 
-from nanoinfer.kernels.attention_ref import paged_attention_ref, store_kvcache_ref
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-
-DTYPE = torch.bfloat16
-TOLERANCE = 1e-2
+from nanoinfer.kernels.attention_ref import FP8_DTYPE, paged_attention_ref, store_kvcache_ref
+from tests.kernels.helpers import (
+    DEVICE,
+    DTYPE,
+    DTYPES,
+    fp8_scales,
+    fp8_store,
+    generator,
+    gpu_only,
+    randn,
+    random_cache,
+    random_tables,
+    rel_error,
+    tolerance,
+    triton_module,
+)
 
 
 def _kernels():
-    from nanoinfer.kernels import triton_attention
-
-    return triton_attention
+    return triton_module("triton_attention")
 
 
-def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)).item()
-
-
-def _random_cache(gen, num_blocks, block_size, num_kv_heads, head_dim, device):
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen, device=device).to(DTYPE)
-    v_cache = torch.randn(shape, generator=gen, device=device).to(DTYPE)
-    return k_cache, v_cache
-
-
-def _random_tables(gen, seq_lens, block_size, device):
-    """Shuffled block ids, as a row-strided (non-contiguous) view; unused entries point at junk blocks
-    past the used ones so a kernel that reads past seq_len picks up wrong data, never a fault."""
-    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-    width = max(blocks_per_seq + [1])
-    num_used = sum(blocks_per_seq)
-    num_blocks = num_used + 4
-    perm = torch.randperm(num_blocks, generator=gen, device=device).int()
-    storage = torch.full((len(seq_lens), width + 3), num_blocks - 1, dtype=torch.int32, device=device)
-    used = 0
-    for b, nb in enumerate(blocks_per_seq):
-        storage[b, :nb] = perm[used : used + nb]
-        used += nb
-    return storage[:, :width], num_blocks
-
-
-def _qkv_views(gen, num_tokens, num_heads, num_kv_heads, head_dim, device):
+def _qkv_views(gen, num_tokens, num_heads, num_kv_heads, head_dim, dtype):
     """query/key/value as non-contiguous views of one fused projection output, as the model makes them."""
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen, device=device)
-    qkv = qkv.to(DTYPE)
+    qkv = randn(gen, num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
     return (
         qkv[:, :num_heads],
         qkv[:, num_heads : num_heads + num_kv_heads],
@@ -60,117 +35,239 @@ def _qkv_views(gen, num_tokens, num_heads, num_kv_heads, head_dim, device):
     )
 
 
-@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(16, 8, 128), (64, 2, 64), (256, 1, 128)])
-def test_store_kvcache_matches_reference(block_size, num_kv_heads, head_dim):
-    gen = torch.Generator(device="cuda").manual_seed(block_size)
-    num_blocks, num_tokens = 9, 50
-    k_cache, v_cache = _random_cache(gen, num_blocks, block_size, num_kv_heads, head_dim, "cuda")
-    _, key, value = _qkv_views(gen, num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, "cuda")
-    slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
+def _attention_tolerance(dtype):
+    return max(tolerance(dtype), 1e-3)  # softmax-weighted sums: a few roundings more than one op
+
+
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(16, 3, 64), (256, 1, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kvcache_matches_reference(block_size, num_kv_heads, head_dim, dtype):
+    kernels = _kernels()
+    gen = generator(block_size)
+    num_blocks, num_tokens = 3, 20
+    k_cache, v_cache = random_cache(gen, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    _, key, value = _qkv_views(gen, num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:num_tokens]
     slots[::3] = -1
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     store_kvcache_ref(key, value, expected_k, expected_v, slots)
-    _kernels().store_kvcache(key, value, k_cache, v_cache, slots.int())
+    kernels.store_kvcache(key, value, k_cache, v_cache, slots.int())
     assert torch.equal(k_cache, expected_k)
     assert torch.equal(v_cache, expected_v)
 
 
+@fp8_store
+@pytest.mark.parametrize("scales", [(0.05, 0.02), None])
+def test_store_kvcache_fp8_matches_reference(scales):
+    kernels = _kernels()
+    gen = generator(3)
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 6, 16, 8, 128, 60
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), device=DEVICE).to(FP8_DTYPE)
+    v_cache = k_cache.clone()
+    _, key, value = _qkv_views(gen, num_tokens, 16, num_kv_heads, head_dim, DTYPE)
+    key.mul_(20)  # past 448 / k_scale for some values: clamped, never NaN
+    k_scale, v_scale = fp8_scales(*scales) if scales else (None, None)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:num_tokens]
+    slots[::5] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(key, value, expected_k, expected_v, slots, k_scale, v_scale)
+    kernels.store_kvcache(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+
+
 DECODE_CASES = [
     # seq_lens, num_heads, num_kv_heads, head_dim, block_size
-    ([1, 7, 16, 17, 300], 8, 8, 128, 16),
-    ([0, 33, 1000, 0, 64], 16, 8, 128, 16),  # seq_len 0: CUDA-graph padding rows
-    ([513, 2, 129], 16, 2, 64, 64),
-    ([700, 1, 256, 255], 32, 4, 128, 256),
-    ([4000], 16, 8, 128, 16),  # batch 1: many splits
-    (list(range(1, 200, 3)), 14, 2, 64, 16),  # group of 7: padded query rows
+    ([1, 7, 16, 17, 100], 6, 3, 64, 16),
+    ([0, 33, 300, 0], 4, 4, 64, 16),  # MHA; seq_len 0: CUDA-graph padding rows
+    ([129, 2, 64], 8, 1, 64, 256),  # group of 8 (MQA)
+    ([250], 8, 2, 128, 16),  # batch 1: many splits
+    ([40, 90], 14, 2, 64, 16),  # group of 7: padded query rows
+]
+DECODE_CONFIGS = {
+    "default": None,
+    "merge_kernel": "MERGE_KERNEL_DECODE",
+    "fused_small_tiles": dict(block_n=16, min_split_tiles=2),
+}
+
+
+def _decode_config(kernels, name):
+    spec = DECODE_CONFIGS[name]
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return getattr(kernels, spec)
+    return kernels.DecodeConfig(**spec)
+
+
+# FP8 dequantization is the same code in every mode: the two merge schemes are enough.
+DECODE_VARIANTS = [(name, False) for name in sorted(DECODE_CONFIGS)] + [
+    ("default", True),
+    ("merge_kernel", True),
 ]
 
 
+@pytest.mark.parametrize("config_name,fp8", DECODE_VARIANTS)
 @pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", DECODE_CASES)
-def test_paged_decode_matches_reference(seq_lens, num_heads, num_kv_heads, head_dim, block_size):
-    gen = torch.Generator(device="cuda").manual_seed(len(seq_lens) * 1000 + block_size)
-    batch = len(seq_lens)
-    tables, num_blocks = _random_tables(gen, seq_lens, block_size, "cuda")
-    k_cache, v_cache = _random_cache(gen, num_blocks, block_size, num_kv_heads, head_dim, "cuda")
-    query, _, _ = _qkv_views(gen, batch, num_heads, num_kv_heads, head_dim, "cuda")
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    scale = head_dim**-0.5
-    out = torch.full((batch, num_heads, head_dim), float("nan"), dtype=DTYPE, device="cuda")
-    _kernels().paged_decode_attention(query, k_cache, v_cache, tables, lens, scale, out=out)
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, scale)
-    assert not out.isnan().any()
-    assert _rel_error(out, ref) < TOLERANCE
-    assert torch.equal(out[lens == 0], torch.zeros_like(out[lens == 0]))
-
-
-def test_paged_decode_with_workspace_replays_in_cuda_graph():
+def test_paged_decode_matches_reference(
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, fp8, config_name
+):
     kernels = _kernels()
-    gen = torch.Generator(device="cuda").manual_seed(7)
+    config = _decode_config(kernels, config_name)
+    gen = generator(len(seq_lens) * 1000 + block_size)
+    batch = len(seq_lens)
+    tables, num_blocks = random_tables(gen, seq_lens, block_size)
+    scales = fp8_scales(0.5, 0.25) if fp8 else (None, None)
+    k_cache, v_cache = random_cache(
+        gen, num_blocks, block_size, num_kv_heads, head_dim, DTYPE, scales if fp8 else None
+    )
+    query, _, _ = _qkv_views(gen, batch, num_heads, num_kv_heads, head_dim, DTYPE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    out = torch.full((batch, num_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE)
+    workspace = kernels.DecodeWorkspace.allocate(
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        tables.shape[1] * block_size,
+        DEVICE,
+        config or kernels.DEFAULT_DECODE,
+    )
+    kernels.paged_decode_attention(
+        query, k_cache, v_cache, tables, lens, scale, out=out, workspace=workspace, k_scale=scales[0],
+        v_scale=scales[1], config=config,
+    )  # fmt: skip
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, scale, *scales)
+    assert not out.isnan().any()
+    assert rel_error(out, ref) < _attention_tolerance(DTYPE)
+    assert torch.equal(out[lens == 0], torch.zeros_like(out[lens == 0]))
+    assert not workspace.counters.any(), "the fused merge must leave its counters at zero"
+
+
+def test_fused_decode_splits_short_contexts_on_the_device():
+    kernels = _kernels()
+    config = kernels.DecodeConfig(block_n=16, min_split_tiles=1)
+    # The grid is sized from the block table's width; a short sequence uses only the splits it needs.
+    assert kernels.decode_num_splits(1, 8, 4096, 132, config) == 64
+    assert kernels.decode_num_splits(256, 8, 4096, 132, config) == 1
+    assert kernels.decode_num_splits(1, 8, 4096, 132, kernels.MERGE_KERNEL_DECODE) == 64
+    assert kernels.decode_num_splits(4, 8, 100, 132, kernels.MERGE_KERNEL_DECODE) == 2
+    gen = generator(11)
+    seq_lens = [5, 70, 33]
+    tables, num_blocks = random_tables(gen, [1024] * 3, 16)  # wide tables: many grid splits
+    k_cache, v_cache = random_cache(gen, num_blocks, 16, 2, 64, DTYPE)
+    query = randn(gen, 3, 4, 64, dtype=DTYPE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(query, float("nan"))
+    kernels.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, out=out, config=config)
+    qsl = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, 0.125)
+    assert rel_error(out, ref) < _attention_tolerance(DTYPE)
+
+
+@gpu_only
+@pytest.mark.parametrize("config_name", ["default", "merge_kernel"])
+def test_paged_decode_with_workspace_replays_in_cuda_graph(config_name):
+    kernels = _kernels()
+    config = _decode_config(kernels, config_name) or kernels.DEFAULT_DECODE
+    gen = generator(7)
     batch, num_heads, num_kv_heads, head_dim, block_size = 4, 16, 8, 128, 16
-    tables, num_blocks = _random_tables(gen, [512] * batch, block_size, "cuda")
-    k_cache, v_cache = _random_cache(gen, num_blocks, block_size, num_kv_heads, head_dim, "cuda")
-    query = torch.randn(batch, num_heads, head_dim, generator=gen, device="cuda").to(DTYPE)
-    lens = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
+    tables, num_blocks = random_tables(gen, [512] * batch, block_size)
+    k_cache, v_cache = random_cache(gen, num_blocks, block_size, num_kv_heads, head_dim, DTYPE)
+    query = randn(gen, batch, num_heads, head_dim, dtype=DTYPE)
+    lens = torch.full((batch,), 100, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(query)
     workspace = kernels.DecodeWorkspace.allocate(
-        batch, num_heads, num_kv_heads, head_dim, tables.shape[1] * block_size, "cuda"
+        batch, num_heads, num_kv_heads, head_dim, tables.shape[1] * block_size, DEVICE, config
     )
     args = (query, k_cache, v_cache, tables, lens, head_dim**-0.5)
-    kernels.paged_decode_attention(*args, out=out, workspace=workspace)  # compile before capture
+    kernels.paged_decode_attention(*args, out=out, workspace=workspace, config=config)  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.paged_decode_attention(*args, out=out, workspace=workspace)
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        kernels.paged_decode_attention(*args, out=out, workspace=workspace, config=config)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     for new_lens in ([512, 1, 0, 300], [17, 511, 64, 0]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        query.copy_(torch.randn(query.shape, generator=gen, device="cuda"))
+        query.copy_(torch.randn(query.shape, generator=gen, device=DEVICE))
         out.fill_(float("nan"))
         graph.replay()
         ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, head_dim**-0.5)
         assert not out.isnan().any()
-        assert _rel_error(out, ref) < TOLERANCE
+        assert rel_error(out, ref) < _attention_tolerance(DTYPE)
+    assert not workspace.counters.any()
 
 
 PREFILL_CASES = [
     # seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size
-    ([100, 1, 257], [100, 1, 257], 8, 8, 128, 16),  # plain prefill
-    ([600, 90, 300], [88, 90, 1], 16, 8, 128, 16),  # cached prefix, decode row mixed in
-    ([1030, 40], [500, 7], 16, 2, 64, 64),  # chunked prefill over a long prefix
-    ([300, 129], [200, 129], 32, 4, 128, 256),
+    ([40, 1, 70], [40, 1, 70], 4, 4, 64, 16),  # plain prefill, MHA
+    ([150, 30, 60], [22, 30, 1], 6, 2, 64, 16),  # cached prefix, decode row mixed in, group 3
+    ([200, 20], [40, 7], 4, 1, 128, 256),  # chunked prefill over a long prefix, MQA
+]
+PREFILL_CONFIGS = {
+    "default": None,
+    "m16_n16": dict(block_m=16, block_n=16),
+    "m128_n64_8warps": dict(block_m=128, block_n=64, num_warps=8),
+    "packed_m64_n32": dict(block_m=64, block_n=32, pack_gqa=True),
+}
+
+
+# FP8 dequantization is the same code in every tiling: two of them are enough.
+PREFILL_VARIANTS = [(name, False) for name in sorted(PREFILL_CONFIGS)] + [
+    ("default", True),
+    ("packed_m64_n32", True),
 ]
 
 
+@pytest.mark.parametrize("config_name,fp8", PREFILL_VARIANTS)
 @pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size", PREFILL_CASES)
-def test_paged_prefill_matches_reference(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size):
-    gen = torch.Generator(device="cuda").manual_seed(sum(seq_lens) + block_size)
-    tables, num_blocks = _random_tables(gen, seq_lens, block_size, "cuda")
-    k_cache, v_cache = _random_cache(gen, num_blocks, block_size, num_kv_heads, head_dim, "cuda")
+def test_paged_prefill_matches_reference(
+    seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, fp8, config_name
+):
+    kernels = _kernels()
+    spec = PREFILL_CONFIGS[config_name]
+    config = kernels.PrefillConfig(**spec) if spec else None
+    gen = generator(sum(seq_lens) + block_size)
+    tables, num_blocks = random_tables(gen, seq_lens, block_size)
+    scales = fp8_scales(0.3, 0.6) if fp8 else (None, None)
+    k_cache, v_cache = random_cache(
+        gen, num_blocks, block_size, num_kv_heads, head_dim, DTYPE, scales if fp8 else None
+    )
     num_padding_rows = 3  # rows past query_start_loc[-1] must come out as zeros, as in the reference
     num_tokens = sum(q_lens) + num_padding_rows
-    query, _, _ = _qkv_views(gen, num_tokens, num_heads, num_kv_heads, head_dim, "cuda")
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    query, _, _ = _qkv_views(gen, num_tokens, num_heads, num_kv_heads, head_dim, DTYPE)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
-    out = torch.full((num_tokens, num_heads, head_dim), float("nan"), dtype=DTYPE, device="cuda")
-    _kernels().paged_prefill_attention(
-        query, k_cache, v_cache, qsl, lens, tables, max(q_lens), scale, out=out
-    )
-    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, scale)
+    out = torch.full((num_tokens, num_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE)
+    kernels.paged_prefill_attention(
+        query, k_cache, v_cache, qsl, lens, tables, max(q_lens), scale, out=out, k_scale=scales[0],
+        v_scale=scales[1], config=config,
+    )  # fmt: skip
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, scale, *scales)
     assert not out.isnan().any()
-    assert _rel_error(out, ref) < TOLERANCE
+    assert rel_error(out, ref) < _attention_tolerance(DTYPE)
     assert torch.equal(out[-num_padding_rows:], torch.zeros_like(out[-num_padding_rows:]))
 
 
 def test_input_validation_names_the_field():
     kernels = _kernels()
-    k_cache = torch.zeros(4, 16, 2, 64, dtype=DTYPE, device="cuda")
-    query = torch.zeros(2, 3, 64, dtype=DTYPE, device="cuda")
-    tables = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
-    lens = torch.ones(2, dtype=torch.int32, device="cuda")
+    k_cache = torch.zeros(4, 16, 2, 64, dtype=DTYPE, device=DEVICE)
+    query = torch.zeros(2, 3, 64, dtype=DTYPE, device=DEVICE)
+    tables = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="num_kv_heads"):
         kernels.paged_decode_attention(query, k_cache, k_cache, tables, lens, 0.1)
     with pytest.raises(ValueError, match="head_dim"):
         kernels.paged_decode_attention(
             query[..., :48], k_cache[..., :48], k_cache[..., :48], tables, lens, 0.1
         )
+    scale = torch.ones(1, device=DEVICE)
+    with pytest.raises(ValueError, match="k_scale"):
+        kernels.paged_decode_attention(query[:, :2], k_cache, k_cache, tables, lens, 0.1, k_scale=scale)
+    with pytest.raises(ValueError, match="mode"):
+        kernels.DecodeConfig(mode="other")
+    with pytest.raises(ValueError, match="block_m"):
+        kernels.PrefillConfig(block_m=48)
