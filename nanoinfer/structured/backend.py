@@ -200,7 +200,14 @@ class GrammarCompiler:
         """A fresh matcher for one request. Raises ValueError naming the field when the schema, regex
         or grammar is invalid, uses something llguidance does not implement, or exceeds the limits."""
         field = params.kind
-        grammar = self._grammar_text(params)
+        try:
+            grammar = self._grammar_text(params)
+        except ValueError as e:
+            message = str(e)
+            if message.startswith("structured_outputs."):
+                raise
+            # llguidance parses the schema text with a nesting limit of 128 levels.
+            raise ValueError(f"structured_outputs.{field} is invalid: {_first_lines(message)}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{field} is invalid: {_first_lines(matcher.get_error())}")

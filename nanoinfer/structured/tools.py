@@ -163,9 +163,11 @@ def _arguments_schema(function: dict[str, Any], index: int) -> str:
         text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"{field} is not serializable as JSON: {e}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        llguidance.LLMatcher.grammar_from_json_schema(text)
-    )
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+    except ValueError as e:  # its JSON parser's nesting limit (128 levels)
+        raise ValueError(f"{field} is invalid: {e}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise ValueError(
             f"{field} is invalid: {messages[0].splitlines()[0] if messages else 'unknown error'}"

@@ -51,6 +51,7 @@ TREE = {
     },
 }
 TOOLS = [WEATHER, NO_ARGUMENTS, TREE]
+DEEP = '{"type":"object","properties":{"a":' * 100 + '{"type":"integer"}' + "}}" * 100
 
 
 def check_call(call):
@@ -217,6 +218,11 @@ def test_no_constraint_for_none_and_auto(tool_choice):
             r"tools\[1\].function.parameters is invalid: .*strin",
         ),
         ([NO_ARGUMENTS] * 129, "auto", "tools must have at most 128 entries"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": json.loads(DEEP)}}],
+            "required",
+            r"tools\[0\].function.parameters is invalid: recursion limit",
+        ),
     ],
 )
 def test_bad_tools_and_tool_choice_are_rejected_naming_the_field(tools, tool_choice, message):
