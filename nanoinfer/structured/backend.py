@@ -1,0 +1,265 @@
+"""Grammar matching with llguidance: one compiler per engine, one matcher (``Grammar``) per request.
+
+Each step the engine asks every constrained request's ``Grammar`` for the bitmask of the tokens it
+allows next (``fill_bitmask``, or ``GrammarCompiler.fill_bitmasks`` for many rows in parallel), applies
+it to the logits (``apply_token_bitmask``), samples, and feeds the sampled token back
+(``accept_token``).
+
+Bitmask layout (llguidance's and xgrammar's): int32 words, ``ceil(vocab_size / 32)`` per row; bit
+``j % 32`` of word ``j // 32`` set means token ``j`` is allowed.
+
+End of output: once the constraint is complete and nothing can extend it, only the EOS tokens are
+allowed (``is_terminated()`` is then True), so a normal request samples EOS and finishes with reason
+"stop". When the constraint is complete but could go on (a JSON array that may take more items, a
+choice that is a prefix of another), EOS is allowed beside the tokens that continue it. Two engine
+settings meet an EOS-only mask: ``ignore_eos`` (the sampled EOS does not stop the request, and every
+later mask allows EOS again, so the output continues with EOS tokens up to ``max_tokens``) and
+``min_tokens`` (its EOS ban would leave no token allowed at all): the engine should finish a request
+whose grammar ``is_terminated()`` instead of sampling from such a row.
+
+Cost: compiling is lazy and cheap (about a millisecond for a realistic schema, whatever the vocabulary):
+the lexer is built as tokens arrive. Each mask costs tens to hundreds of microseconds at a 150k
+vocabulary (more on the first visit of a lexer state), bounded by llguidance's per-step fuel; see
+benchmarks/structured_backends.py.
+
+Threads: a ``Grammar`` may be used from any thread but by one at a time; llguidance releases the GIL
+while it compiles and computes masks, so compiling in a worker thread does not stall the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+
+import llguidance
+import llguidance.hf
+import torch
+from llguidance.gbnf_to_lark import any_to_lark
+
+from nanoinfer.structured.params import StructuredOutputsParams
+
+BITS_PER_WORD = 32
+
+# llguidance's resource limits, set explicitly so that no request can make a step slow: building the
+# lexer is bounded by initial_lexer_fuel (about 50k units per ms), each mask by step_lexer_fuel (about
+# 14k units per ms) and step_max_items (about 20k per ms); the grammar's size and the number of lexer
+# states (1-2 kB each, built lazily) bound the memory of one request. A grammar over a limit is
+# rejected when it is compiled, or its request ends (``Grammar.error``) when a step would exceed one.
+PARSER_LIMITS = dict(
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_items_in_row=2_000,
+    max_grammar_size=500_000,
+    max_lexer_states=100_000,
+    # Errors then say what is wrong without echoing the parser state and the whole grammar.
+    verbose_errors=False,
+)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+
+
+def allocate_token_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """An int32 CPU bitmask [rows, ceil(vocab_size / 32)] with every token allowed (all bits set), so
+    that rows left unfilled leave their logits untouched. ``pin_memory`` for fast copies to a GPU."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin_memory)
+
+
+def _check_bitmask(bitmask: torch.Tensor, words: int) -> None:
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
+        raise ValueError(
+            f"the bitmask must be a 2-D int32 CPU tensor, got {bitmask.dtype} {tuple(bitmask.shape)} "
+            f"on {bitmask.device}"
+        )
+    if bitmask.shape[1] != words or not bitmask.is_contiguous():
+        raise ValueError(
+            f"the bitmask must be a contiguous [rows, {words}] tensor, got {tuple(bitmask.shape)} "
+            f"with strides {bitmask.stride()}"
+        )
+
+
+class Grammar:
+    """The matcher of one request: which tokens may come next, advanced by each accepted token.
+
+    Built by ``GrammarCompiler.compile``.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+        self._words = bitmask_words(vocab_size)
+        self._eos_token_ids = eos_token_ids
+        self.num_accepted = 0  # tokens accepted so far, EOS included
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advances the matcher by ``token_id``; False (state unchanged) when the token is not allowed."""
+        matcher = self._matcher
+        if not 0 <= token_id < self._vocab_size or matcher.is_error():
+            return False
+        if matcher.is_stopped():
+            # Only EOS is allowed (again and again: see ignore_eos in the module docstring), and llguidance
+            # validates nothing in this state, so it is checked here.
+            if token_id not in self._eos_token_ids or not matcher.consume_token(token_id):
+                return False
+        elif matcher.try_consume_tokens([token_id]) != 1:
+            return False
+        self.num_accepted += 1
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the allowed next tokens into ``bitmask[row]`` (an int32 CPU tensor [rows, words])."""
+        _check_bitmask(bitmask, self._words)
+        if not 0 <= row < bitmask.shape[0]:
+            raise ValueError(f"row must be in [0, {bitmask.shape[0]}), got {row}")
+        words = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), self._words * 4)
+        self._after_fill(bitmask, row)
+
+    def _after_fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._matcher.is_error():
+            # A limit was hit, or the state allows nothing: EOS only, so that the request ends; the
+            # engine reads ``error`` to report why.
+            set_only(bitmask, row, self._eos_token_ids)
+
+    def is_terminated(self) -> bool:
+        """The constraint is complete and nothing can extend it: only EOS remains allowed."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    def is_accepting(self) -> bool:
+        """What was accepted so far is a complete output (EOS is allowed now)."""
+        return self._matcher.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        """Why this grammar cannot go on (a resource limit was hit), or None."""
+        if not self._matcher.is_error():
+            return None
+        return _first_lines(self._matcher.get_error()) or "unknown error"
+
+
+def set_only(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
+    """``bitmask[row]`` allows exactly ``token_ids``."""
+    bitmask[row].zero_()
+    for token_id in token_ids:
+        word = token_id // BITS_PER_WORD
+        bit = token_id % BITS_PER_WORD
+        # Bit 31 is the sign bit of an int32 word.
+        value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutputsParams`` into per-request ``Grammar`` matchers for one tokenizer.
+
+    ``vocab_size`` is the model's (its logits' width); it may exceed the tokenizer's, and ids without a
+    token are never allowed. ``eos_token_ids``: the ids that end a sequence (default: the tokenizer's
+    EOS); all of them are allowed when the output is complete. ``special_tokens``: the texts of the
+    tokens that grammars must name as special tokens (pass it to ``tool_call_constraint``).
+
+    Building it takes up to about a second for a 150k vocabulary (the token trie); do it once per engine.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: Iterable[int] | None = None,
+        num_threads: int | None = None,
+    ):
+        if eos_token_ids is None:
+            eos_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        eos = tuple(sorted(set(eos_token_ids)))
+        if not eos:
+            raise ValueError(
+                "structured outputs need an EOS token: the tokenizer has none, pass eos_token_ids"
+            )
+        if not all(0 <= t < vocab_size for t in eos):
+            raise ValueError(f"eos_token_ids must be in [0, {vocab_size}), got {list(eos)}")
+        tokenizer_vocab = len(tokenizer)
+        if vocab_size < tokenizer_vocab:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be at least the tokenizer's vocabulary ({tokenizer_vocab})"
+            )
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos))
+        # Added tokens are special to llguidance even where the tokenizer says they are text (Qwen3's
+        # <tool_call>, <think>): a grammar matches them only by name (``<tool_call>`` in Lark), not by a
+        # string literal.
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.special_tokens = frozenset(
+            token.content for token_id, token in added.items() if self._tokenizer.is_special_token(token_id)
+        )
+        self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+        self._num_threads = num_threads
+        self._executor: llguidance.LLExecutor | None = None
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """A fresh matcher for one request. Raises ValueError naming the field when the schema, regex
+        or grammar is invalid, uses something llguidance does not implement, or exceeds the limits."""
+        field = params.kind
+        try:
+            grammar = self._grammar_text(params)
+        except ValueError as e:
+            message = str(e)
+            if message.startswith("structured_outputs."):
+                raise
+            # llguidance parses the schema text with a nesting limit of 128 levels.
+            raise ValueError(f"structured_outputs.{field} is invalid: {_first_lines(message)}") from None
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{field} is invalid: {_first_lines(matcher.get_error())}")
+        return Grammar(matcher, self.vocab_size, self.eos_token_ids)
+
+    def _grammar_text(self, params: StructuredOutputsParams) -> str:
+        whitespace = {"whitespace_flexible": not params.disable_any_whitespace}
+        matcher_cls = llguidance.LLMatcher
+        kind = params.kind
+        if kind == "json":
+            return matcher_cls.grammar_from_json_schema(params.schema_text, overrides=whitespace)
+        if kind == "json_object":
+            return matcher_cls.grammar_from_json_schema({"type": "object"}, overrides=whitespace)
+        if kind == "regex":
+            return matcher_cls.grammar_from_regex(params.regex)
+        if kind == "choice":
+            # Lark string literals take JSON's escapes; ensure_ascii=False keeps characters outside the
+            # BMP whole instead of splitting them into surrogate escapes.
+            alternatives = " | ".join(json_string(c) for c in params.choice)
+            return matcher_cls.grammar_from_lark(f"start: {alternatives}")
+        try:
+            lark = any_to_lark(params.grammar)
+        except Exception as e:  # noqa: BLE001 (the converter raises plain Exceptions on bad GBNF)
+            raise ValueError(f"structured_outputs.grammar is invalid GBNF: {e}") from None
+        return matcher_cls.grammar_from_lark(lark)
+
+    def fill_bitmasks(self, grammars: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
+        """``fill_bitmask`` of many (grammar, row) pairs at once, in parallel on llguidance's threads
+        (``num_threads``, default 80% of the cores up to 32). Rows not listed are left as they are."""
+        words = bitmask_words(self.vocab_size)
+        _check_bitmask(bitmask, words)
+        rows = [row for _, row in grammars]
+        if len(set(rows)) != len(rows) or not all(0 <= row < bitmask.shape[0] for row in rows):
+            raise ValueError(f"rows must be distinct and in [0, {bitmask.shape[0]}), got {rows}")
+        if not grammars:
+            return
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
+        self._executor.unsafe_compute_mask_ptr(
+            [(g._matcher, row) for g, row in grammars], bitmask.data_ptr(), words * 4, bitmask.shape[0]
+        )
+        for grammar, row in grammars:
+            grammar._after_fill(bitmask, row)
+
+
+def json_string(text: str) -> str:
+    """``text`` as a JSON (and Lark) string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _first_lines(message: str, limit: int = 600) -> str:
+    # llguidance appends its parser state and the whole grammar to some errors; the first lines say
+    # what is wrong.
+    message = message.split("\n<state>", 1)[0].replace("<non-verbose/>", "").strip()
+    return message if len(message) <= limit else message[:limit] + " ..."
