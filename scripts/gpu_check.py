@@ -106,10 +106,16 @@ def engine_checks() -> bool:
             for eager in (True, False):
                 mode = "eager" if eager else "cudagraph"
                 llm = LLM(path, kvcache_block_size=block_size, enforce_eager=eager)
-                graphs_ok = eager or bool(llm.llm_engine.engine_core.executor.runner.graphs)
+                graphs = llm.llm_engine.engine_core.executor.runner.graphs
+                graphs_ok = eager or (graphs is not None and bool(graphs.graphs))
                 ok &= check(f"hd{head_dim} bs{block_size} {mode}", llm, hf, prompts, refs) and graphs_ok
                 llm.close()
-        # Chunked prefill, then prefix hits on a second batch sharing the prompts' prefixes.
+        # Synchronous scheduling (async is the default on CUDA): the same rule against the reference.
+        llm = LLM(path, kvcache_block_size=16, async_scheduling=False)
+        ok &= check(f"hd{head_dim} sync scheduling", llm, hf, prompts, refs)
+        llm.close()
+        # Chunked prefill (mixed prefill + decode steps), then prefix hits on a second batch sharing the
+        # prompts' prefixes.
         llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=64)
         ok &= check(f"hd{head_dim} chunked prefill (64-token budget)", llm, hf, prompts, refs)
         shared = [p[:96] + [5, 6, 7] for p in prompts if len(p) >= 100]

@@ -1,6 +1,21 @@
+"""Shared fixtures. On a machine without CUDA the Triton kernels run through Triton's interpreter: it is
+chosen by TRITON_INTERPRET=1, which Triton reads when a kernel is defined, so it is set here, before any
+test module imports a kernel module. Without Triton the kernel tests skip (pytest.importorskip)."""
+
+import os
+
 import pytest
+import torch
 
 from tests.fixtures import build_model
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_configure(config):
+    # The interpreter converts 1-element arrays to Python scalars in a way numpy deprecates.
+    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:triton.runtime.interpreter")
 
 
 @pytest.fixture(scope="session")

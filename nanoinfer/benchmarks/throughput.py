@@ -8,6 +8,7 @@ in [0, 10000]; max_tokens randint(100, 1024); temperature 0.6; ignore_eos; one w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -42,7 +43,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--tpot", action="store_true", help="single-sequence decode latency (512 in, 256 out)"
     )
     parser.add_argument(
-        "--profile", action="store_true", help="time breakdown of one decode step at batch 256"
+        "--profile",
+        action="store_true",
+        help="time breakdown of a decode step at batch 256 x 1024 and 1 x 600 (GPU time by kernel "
+        "category, kernels per step, host time left), graph replay times, a 16k-token prefill step",
+    )
+    parser.add_argument(
+        "--async-ab",
+        action="store_true",
+        help="run the workload with async scheduling on and off (a fresh engine each, first pass)",
+    )
+    parser.add_argument(
+        "--hf-cb",
+        action="store_true",
+        help="also run transformers' own continuous batching (generate with a paged cache) on the workload",
     )
     parser.add_argument("--result-file", metavar="PATH", help="write the results as JSON here")
     add_engine_args(parser)
@@ -166,17 +180,39 @@ def run(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             raise SystemExit(f"error: {e}") from None
 
-    started = time.perf_counter()
-    llm = LLM(model, **engine_kwargs_from_args(args))
-    startup_s = time.perf_counter() - started
-    prompts, params = workload_from_args(args, llm.llm_engine.config.hf_config.vocab_size)
-    max_tokens = [p.max_tokens for p in params]
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-
-    started = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - started
-    output_tokens = sum(max_tokens)
+    engine_kwargs = engine_kwargs_from_args(args)
+    modes = [True, False] if args.async_ab else [engine_kwargs.get("async_scheduling")]
+    passes = []
+    for mode in modes:
+        kwargs = dict(engine_kwargs) if mode is None else {**engine_kwargs, "async_scheduling": mode}
+        started = time.perf_counter()
+        llm = LLM(model, **kwargs)
+        startup_s = time.perf_counter() - started
+        prompts, params = workload_from_args(args, llm.llm_engine.config.hf_config.vocab_size)
+        max_tokens = [p.max_tokens for p in params]
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+        with _recorded_steps(llm) as steps:
+            started = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - started
+        output_tokens = sum(max_tokens)
+        passes.append(
+            {
+                "async_scheduling": llm.llm_engine.engine_core.async_scheduling,
+                "seconds": round(elapsed, 3),
+                "output_tok_per_s": round(output_tokens / elapsed, 1),
+                "startup_s": round(startup_s, 1),
+                # Wall time of the first pass's steps that computed at least 8192 prompt tokens.
+                "large_prefill_steps_ms": [round(ms, 1) for tokens, ms in steps if tokens >= 8192],
+            }
+        )
+        print(
+            f"async_scheduling={passes[-1]['async_scheduling']}: Total: {output_tokens} tok, "
+            f"Time: {elapsed:.2f}s, Throughput: {output_tokens / elapsed:.2f} tok/s"
+        )
+        if mode is not modes[-1]:
+            llm.close()
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
     result: dict[str, Any] = {
         "benchmark": "throughput",
         "date": time.strftime("%Y-%m-%d"),
@@ -186,24 +222,28 @@ def run(args: argparse.Namespace) -> int:
         "num_seqs": args.num_seqs,
         "input_tokens": sum(map(len, prompts)),
         "output_tokens": output_tokens,
-        "seconds": round(elapsed, 3),
-        "output_tok_per_s": round(output_tokens / elapsed, 1),
-        "startup_s": round(startup_s, 1),
-        "engine": {k: str(v) for k, v in engine_kwargs_from_args(args).items()},
+        **passes[0],
+        "passes": passes,
+        "engine": {k: str(v) for k, v in engine_kwargs.items()},
         "engine_stats": llm.engine_stats(),
     }
-    print(
-        f"Total: {output_tokens} tok, Time: {elapsed:.2f}s, Throughput: {output_tokens / elapsed:.2f} tok/s"
-    )
 
     if args.tpot:
         result["single_sequence"] = single_sequence_latency(llm)
     if args.profile:
         result["decode_step_profile"] = profile_decode_step(llm)
+        result["decode_step_profile_batch1"] = profile_decode_step(llm, batch=1, context=600)
+        result["mixed_step_profile"] = profile_decode_step(llm, batch=128, context=600, prompt_per_step=1024)
+        result["graph_replay_ms"] = graph_replay_times(llm)
+        result["prefill_step_ms"] = prefill_step_time(llm)
     if args.bound:
         result["bound"] = physical_bound(llm, prompts, max_tokens)
     if args.hf_compare:
         result["hf_compare"] = compare_with_transformers(llm, model, prompts, max_tokens, args)
+    if args.hf_cb:
+        result["hf_continuous_batching"] = transformers_continuous_batching(
+            llm, model, prompts, max_tokens, args.temperature, result["output_tok_per_s"]
+        )
     llm.close()
     _print_table(result)
     if args.result_file:
@@ -232,9 +272,13 @@ def single_sequence_latency(llm) -> dict[str, float]:
     return {"ttft_ms": round(ttft * 1e3, 3), "tpot_ms": round((total - ttft) / 255 * 1e3, 3)}
 
 
-def profile_decode_step(llm, batch: int = 256, context: int = 1024) -> dict[str, Any]:
+def profile_decode_step(
+    llm, batch: int = 256, context: int = 1024, prompt_per_step: int = 0
+) -> dict[str, Any]:
     """Where the time of one decode step goes at ``batch`` sequences of ``context`` tokens: GPU kernels
-    by category (from the profiler) and the host-side remainder (scheduling, input prep, sampling glue)."""
+    by category (from the profiler) and the host-side remainder (scheduling, input prep, sampling glue).
+    With ``prompt_per_step`` each step also prefills a new prompt of that many tokens (a mixed step,
+    which runs eagerly)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -255,39 +299,46 @@ def profile_decode_step(llm, batch: int = 256, context: int = 1024) -> dict[str,
         engine.step()
     torch.cuda.synchronize()
     steps = 10
+    extra = iter(range(1 << 30))
+    one_token = SamplingParams(temperature=0.6, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def step() -> None:
+        if prompt_per_step:
+            prompt = [rng.randint(0, 10000) for _ in range(prompt_per_step)]
+            engine.add_request(f"profile-prompt-{next(extra)}", prompt, one_token)
+        engine.step()
+
     started = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - started) / steps * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            engine.step()
+            step()
         torch.cuda.synchronize()
     categories: dict[str, float] = {}
+    num_kernels = 0
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
         if device_us <= 0:
             continue
-        name = event.key.lower()
-        if "attention" in name or "decode" in name or "lse" in name or "kvcache" in name:
-            category = "attention"
-        elif any(k in name for k in ("gemm", "nvjet", "cutlass", "matmul", "sm90", "gemv", "splitk")):
-            category = "gemm"
-        elif any(k in name for k in ("exponential", "softmax", "argmax", "max_kernel", "reduce")):
-            category = "sampler_and_reductions"
-        else:
-            category = "other_elementwise"
+        num_kernels += event.count
+        category = _kernel_category(event.key.lower())
         categories[category] = categories.get(category, 0.0) + device_us / steps / 1e3
-    for request_id in [f"profile-{i}" for i in range(batch)]:
-        engine.abort_request(request_id)
+    engine.abort_request([f"profile-{i}" for i in range(batch)])
+    while engine.has_unfinished_requests() or engine.engine_core.has_unfinished_requests():
+        engine.step()
     gpu_ms = sum(categories.values())
     return {
         "batch": batch,
         "context": context,
+        "prompt_per_step": prompt_per_step,
         "step_ms": round(step_ms, 3),
         "gpu_ms_by_category": {k: round(v, 3) for k, v in sorted(categories.items())},
         "gpu_ms_total": round(gpu_ms, 3),
+        "kernels_per_step": round(num_kernels / steps, 1),
+        # The step's wall time in which the GPU did nothing: host work on the critical path.
         "host_only_ms": round(max(step_ms - gpu_ms, 0.0), 3),
         "top_kernels": [
             (e.key[:80], round((getattr(e, "self_device_time_total", 0) or 0) / steps / 1e3, 3))
@@ -295,6 +346,152 @@ def profile_decode_step(llm, batch: int = 256, context: int = 1024) -> dict[str,
                 prof.key_averages(), key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0)
             )[:12]
         ],
+    }
+
+
+@contextlib.contextmanager
+def _recorded_steps(llm):
+    """Yields a list that fills with (scheduled tokens, wall ms) per engine step. With async scheduling a
+    step's result is awaited by the next call, so a call's time is charged to the step before it."""
+    core = llm.llm_engine.engine_core
+    record: list[tuple[int, float]] = []
+    scheduled: list[int] = []
+    schedule, step = core.scheduler.schedule, core.step
+
+    def timed_schedule():
+        out = schedule()
+        scheduled.append(out.num_scheduled_tokens)
+        return out
+
+    def timed_step():
+        started = time.perf_counter()
+        outputs = step()
+        lag = 2 if core.async_scheduling else 1
+        if len(scheduled) >= lag:
+            record.append((scheduled[-lag], (time.perf_counter() - started) * 1e3))
+        return outputs
+
+    core.scheduler.schedule, core.step = timed_schedule, timed_step
+    try:
+        yield record
+    finally:
+        core.scheduler.schedule, core.step = schedule, step
+
+
+def _kernel_category(name: str) -> str:
+    if any(k in name for k in ("attention", "_decode_", "_prefill_", "merge", "lse", "kvcache")):
+        return "attention"
+    if any(k in name for k in ("gemm", "nvjet", "cutlass", "matmul", "sm90", "gemv", "splitk")):
+        return "gemm"
+    if any(k in name for k in ("gumbel", "exponential", "softmax", "argmax", "max_kernel", "reduce")):
+        return "sampler_and_reductions"
+    if any(k in name for k in ("rms_norm", "silu", "rope")):
+        return "fused_elementwise"
+    return "other_elementwise"
+
+
+def graph_replay_times(llm, batch_sizes: tuple[int, ...] = (1, 8, 64, 256), replays: int = 50) -> dict:
+    """GPU time of one replay of the decode graph of each batch size (events around many replays; the
+    graph's inputs as the last step left them)."""
+    import torch
+
+    graphs = llm.llm_engine.engine_core.executor.runner.graphs
+    if graphs is None:
+        return {}
+    times = {}
+    for batch in batch_sizes:
+        size = graphs.batch_size_for(batch)
+        if size is None:
+            continue
+        graphs.replay(size)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graphs.replay(size)
+        end.record()
+        end.synchronize()
+        times[str(batch)] = round(start.elapsed_time(end) / replays, 4)
+    return times
+
+
+def prefill_step_time(llm, num_tokens: int = 16384, seed: int = 3) -> dict[str, float]:
+    """Wall time of one prefill step of about ``num_tokens`` tokens shaped like the benchmark's (prompts of
+    100-1024 tokens), the first time such a step runs in this engine and again (new random prompts, so
+    that no prefix is cached)."""
+    import torch
+
+    from nanoinfer import SamplingParams
+
+    rng = random.Random(seed)
+    budget = llm.llm_engine.config.max_num_batched_tokens
+    times = []
+    for _ in range(2):
+        prompts, total = [], 0
+        while total < min(num_tokens, budget):
+            n = min(rng.randint(100, 1024), min(num_tokens, budget) - total)
+            prompts.append([rng.randint(0, 10000) for _ in range(n)])
+            total += n
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1e3)
+    return {
+        "tokens": total,
+        "sequences": len(prompts),
+        "first_ms": round(times[0], 2),
+        "again_ms": round(times[1], 2),
+    }
+
+
+def transformers_continuous_batching(
+    llm,
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    temperature: float,
+    ours_tok_per_s: float,
+) -> dict[str, Any]:
+    """transformers' own continuous batching (its paged cache, sdpa attention) on the same sequences:
+    the peer the issue names. Each request gets its own max_new_tokens; tokens counted are those it
+    generated."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    llm.close()
+    torch.cuda.empty_cache()
+    hf = None
+    errors = []
+    for implementation in ("paged|sdpa", "sdpa_paged"):
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(
+                model, dtype=torch.bfloat16, attn_implementation=implementation
+            ).cuda()
+            break
+        except (ValueError, ImportError, KeyError) as e:
+            errors.append(f"{implementation}: {e}")
+    if hf is None:
+        return {"error": "; ".join(errors)}
+    config = GenerationConfig(
+        max_new_tokens=max(max_tokens), do_sample=True, temperature=temperature, top_k=0, top_p=1.0
+    )
+    generated = 0
+    started = time.perf_counter()
+    with hf.continuous_batching_context_manager(generation_config=config) as manager:
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+            manager.add_request(input_ids=prompt, request_id=str(i), max_new_tokens=n)
+        for done, result in enumerate(manager, 1):
+            generated += len(result.generated_tokens)
+            if done == len(prompts):
+                break
+    elapsed = time.perf_counter() - started
+    theirs = generated / elapsed
+    return {
+        "attn_implementation": hf.config._attn_implementation,
+        "generated_tokens": generated,
+        "seconds": round(elapsed, 2),
+        "tok_per_s": round(theirs, 1),
+        "nanoinfer_over_transformers": round(ours_tok_per_s / theirs, 1),
     }
 
 
@@ -407,6 +604,11 @@ def _print_table(result: dict[str, Any]) -> None:
     if "single_sequence" in result:
         rows += [("TTFT ms (512 in)", result["single_sequence"]["ttft_ms"])]
         rows += [("TPOT ms (256 out)", result["single_sequence"]["tpot_ms"])]
+    for p in result.get("passes", [])[1:]:
+        rows.append((f"output tok/s (async {p['async_scheduling']})", p["output_tok_per_s"]))
+    if "hf_continuous_batching" in result and "tok_per_s" in result["hf_continuous_batching"]:
+        cb = result["hf_continuous_batching"]
+        rows.append(("transformers CB tok/s", f"{cb['tok_per_s']} ({cb['nanoinfer_over_transformers']}x)"))
     if "hf_compare" in result:
         rows.append(
             (

@@ -22,11 +22,13 @@ from nanoinfer.engine.scheduler import RunnerOutput, SchedulerOutput
 from nanoinfer.executor.cuda_graphs import CudaGraphs, StepBuffers, cuda_graph_batch_sizes
 from nanoinfer.executor.input_batch import InputBatch, StepInputs, StepPlan
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
-from nanoinfer.layers.fused import use_compiled_ops
+from nanoinfer.layers.kernels import triton_kernels, use_kernels
 from nanoinfer.models.checkpoint import load_weights
 from nanoinfer.models.decoder import DecoderForCausalLM
 from nanoinfer.sample.logprobs import LogprobsTensors, TokenLogprobs
+from nanoinfer.sample.metadata import SamplingMetadata
 from nanoinfer.sample.sampler import Sampler, prompt_logprobs
+from nanoinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +118,10 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         for layer in self.attention_layers:
             layer.backend = backend
+        # The fused elementwise kernels go with the attention backend: Triton's on CUDA.
+        if backend.name == "triton":
+            use_kernels(self.model, triton_kernels())
         self.sampler = Sampler()
-
-        # Compiled fused ops go with CUDA graphs: enforce_eager turns both off (as in vLLM).
-        self.compiled_ops = self.device.type == "cuda" and not config.enforce_eager
-        if self.compiled_ops:
-            use_compiled_ops(self.model)
 
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim  # this rank's share
@@ -138,6 +138,17 @@ class ModelRunner:
         max_tokens = max(config.max_num_batched_tokens, max_rows)
         width = self.input_batch.block_table.shape[1]
         self.buffers = StepBuffers.allocate(max_tokens, max_rows, width, self.device)
+        if backend.name == "triton":
+            backend.decode_workspace = backend.kernels.DecodeWorkspace.allocate(
+                max_rows,
+                first.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                width * self.block_size,
+                self.device,
+            )
+        if self.device.type == "cuda":
+            self._warm_up_kernels()
         # Every rank captures the same graphs, so collectives inside them pair up on replay.
         if use_graphs:
             self.graphs = CudaGraphs(self.model, self.buffers, config.hf_config.hidden_size, self.dtype)
@@ -187,6 +198,62 @@ class ModelRunner:
         if logits is not None:  # None on tensor-parallel workers: rank 0 samples
             logits.float().log_softmax(dim=-1)
         torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> None:
+        """Runs every kernel variant a workload can meet once, before any request: Triton compiles a
+        kernel per combination of its compile-time choices (tile sizes by query length, heads per
+        program by token count, sampler chunks by batch size), and one met for the first time in the
+        middle of a run costs up to a second there. Writes no K/V (every slot is -1)."""
+        cfg = self.config
+        device = self.device
+        max_tokens = cfg.max_num_batched_tokens
+        token_counts = sorted(
+            {n for n in (1, 8, 16, 17, 64, 256, 1024, 4096) if n <= max_tokens} | {max_tokens}
+        )
+        for num_tokens in token_counts:
+            # One prompt chunk after a cached prefix, beside one decode row: both attention kernels.
+            for num_decode in (0, 1):
+                self._dummy_step(num_tokens, num_decode)
+        hidden = torch.zeros(1, cfg.hf_config.hidden_size, dtype=self.dtype, device=device)
+        for batch in (1, 4, 16, 64, cfg.max_num_seqs):
+            # A collective under tensor parallelism (every rank joins); None on the workers.
+            logits = self.model.compute_logits(hidden.expand(batch, -1).contiguous())
+            if logits is None:
+                continue
+            params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)] * batch
+            metadata = SamplingMetadata.from_params(params[:batch], list(range(batch)), [0] * batch, device)
+            self.sampler(logits, metadata)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _dummy_step(self, num_tokens: int, num_decode: int) -> None:
+        """An eager step of ``num_tokens`` tokens: ``num_decode`` one-token rows, then prompt chunks after
+        a one-block cached prefix, each within the context length."""
+        device = self.device
+        prefix = self.block_size
+        longest = max(self.config.max_model_len - prefix, 1)
+        num_prefill = max(num_tokens - num_decode, 1)
+        q_lens = [1] * num_decode + [min(longest, num_prefill - i) for i in range(0, num_prefill, longest)]
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        query_start_loc = torch.tensor(starts, dtype=torch.int32)
+        width = self.input_batch.block_table.shape[1]
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=device),
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=torch.tensor([prefix + n for n in q_lens], dtype=torch.int32, device=device),
+            block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=device),
+            num_decode_rows=num_decode,
+            max_query_len=max(q_lens),
+            max_seq_len=prefix + max(q_lens),
+        )
+        if num_decode > 0:
+            meta.prefill_query_start_loc = (query_start_loc[num_decode:] - num_decode).to(device)
+        input_ids = torch.zeros(starts[-1], dtype=torch.int64, device=device)
+        positions = torch.zeros(starts[-1], dtype=torch.int64, device=device)
+        self.model(input_ids, positions, meta)
 
     def _decide_num_kv_blocks(self) -> int:
         cfg = self.config

@@ -1,13 +1,7 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.layers.fused import compiled
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from nanoinfer.layers.kernels import REFERENCE_KERNELS
 
 
 class SiluAndMul(nn.Module):
@@ -15,10 +9,7 @@ class SiluAndMul(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fn = silu_and_mul
-
-    def use_compiled_ops(self) -> None:
-        self.fn = compiled(silu_and_mul)
+        self.kernels = REFERENCE_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
+        return self.kernels.silu_and_mul(x)

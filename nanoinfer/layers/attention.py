@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanoinfer.kernels.attention_ref import paged_attention_ref, store_kvcache_ref
+from nanoinfer.kernels.attention_ref import paged_attention_ref
 
 
 @dataclass
@@ -32,15 +32,14 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Writes new K/V into the paged cache and attends over it."""
+    """Attends over the paged cache (the new K/V are already in it: the fused q/k kernel stores them)."""
 
     name: str
 
     @abstractmethod
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None: ...
-
-    @abstractmethod
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def attend(
+        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+    ) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -48,12 +47,17 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
-
-    def attend(self, query, k_cache, v_cache, meta, scale):
+    def attend(self, query, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None):
         return paged_attention_ref(
-            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+            query,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 
@@ -66,15 +70,23 @@ class TritonAttentionBackend(AttentionBackend):
         from nanoinfer.kernels import triton_attention  # Triton is imported only on CUDA
 
         self.kernels = triton_attention
+        # Split-KV scratch shared by every layer (they run one after another): allocated by the model
+        # runner for its largest batch, before graph capture.
+        self.decode_workspace = None
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self.kernels.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-
-    def attend(self, query, k_cache, v_cache, meta, scale):
+    def attend(self, query, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None):
         num_decode = meta.num_decode_rows
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         if num_decode == len(meta.seq_lens):
             return self.kernels.paged_decode_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                workspace=self.decode_workspace,
+                **scales,
             )
         if num_decode == 0:
             return self.kernels.paged_prefill_attention(
@@ -86,6 +98,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.block_tables,
                 meta.max_query_len,
                 scale,
+                **scales,
             )
         out = torch.empty_like(query)
         # Decode rows have one query token each, so the prefill rows' tokens start at num_decode.
@@ -97,6 +110,8 @@ class TritonAttentionBackend(AttentionBackend):
             meta.seq_lens[:num_decode],
             scale,
             out=out[:num_decode],
+            workspace=self.decode_workspace,
+            **scales,
         )
         self.kernels.paged_prefill_attention(
             query[num_decode:],
@@ -108,6 +123,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_query_len,
             scale,
             out=out[num_decode:],
+            **scales,
         )
         return out
 
@@ -136,13 +152,18 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = TorchAttentionBackend()
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Dequantization scales of an FP8 cache (1-element float32 tensors); None for a 16-bit cache.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim]
+        """q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim], already in the
+        cache (they are read here only before the cache exists)."""
         if self.k_cache.numel() == 0:
             return self._attend_uncached(q, k, v, meta)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.attend(
+            q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale
+        )
 
     def _attend_uncached(self, q, k, v, meta) -> torch.Tensor:
         """Causal attention over this batch's own tokens only: used before the KV pool exists (the

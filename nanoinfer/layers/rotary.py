@@ -1,4 +1,4 @@
-"""Rotary position embedding with a cos/sin table precomputed for every position up front."""
+"""Rotary position embedding: the cos/sin table, precomputed for every position up front."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from nanoinfer.layers.fused import compiled
 
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict | None]:
@@ -39,6 +37,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin table of rotary position embeddings for every position, computed once; the rotation
+    itself is part of the fused q/k kernel (``LayerKernels.qk_norm_rope_store``)."""
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -50,27 +51,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         # [max_position, head_dim]: cos and sin halves side by side.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-
-        self.fn = apply_rotary
-
-    def use_compiled_ops(self) -> None:
-        self.fn = compiled(apply_rotary)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.fn(positions, q, k, self.cos_sin)
-
-
-def apply_rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [tokens, heads, head_dim]; rotate-half convention (first half paired with second half).
-    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)

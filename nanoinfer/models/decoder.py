@@ -16,6 +16,7 @@ from torch import nn
 from nanoinfer.layers.activation import SiluAndMul
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoinfer.layers.kernels import REFERENCE_KERNELS
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.rotary import RotaryEmbedding, rope_parameters
@@ -60,23 +61,35 @@ class DecoderAttention(nn.Module):
         theta, scaling = rope_parameters(cfg)
         self.rotary = RotaryEmbedding(head_dim, max_position, theta, scaling)
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+        self.eps = cfg.rms_norm_eps
         if variant.qk_norm:
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.kernels = REFERENCE_KERNELS
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [tokens, (heads + 2 * kv_heads) * head_dim]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
+        attn = self.attn
+        # One kernel: per-head QK-norm (Qwen3), RoPE, and k/v written to their paged slots.
+        q, k, v = self.kernels.qk_norm_rope_store(
+            qkv,
+            positions,
+            self.rotary.cos_sin,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.eps,
+            attn.k_cache,
+            attn.v_cache,
+            meta.slot_mapping,
+            attn.k_scale,
+            attn.v_scale,
+        )
+        out = attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoinfer.kernels.sampling_ref import gumbel_noise
+from nanoinfer.kernels import sampling_ref
 from nanoinfer.sample.logprobs import LogprobsTensors, TokenLogprobs, gather_logprobs
 from nanoinfer.sample.metadata import PenaltyInputs, SamplingMetadata
 
@@ -38,18 +38,26 @@ class SamplerOutput:
     logprob_rows: list[int] | None = None
 
 
+def _gumbel_noise(metadata: SamplingMetadata, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Gumbel(0, 1) noise of each row's (seed, offset): one Triton kernel on CUDA, the same bits from
+    the torch definition elsewhere."""
+    if device.type == "cuda":
+        from nanoinfer.kernels import triton_sampling
+
+        return triton_sampling.gumbel_noise(metadata.seeds, metadata.offsets, vocab_size)
+    return sampling_ref.gumbel_noise(metadata.seeds, metadata.offsets, vocab_size, device)
+
+
 def sample_greedy_or_gumbel(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Temperature-only sampling of every row: argmax for greedy rows, Gumbel-max for the others."""
+    """Temperature-only sampling of every row: argmax for greedy rows, Gumbel-max for the others. On
+    CUDA one pass over the logits (no softmax, no division pass, the noise made in registers)."""
     if metadata.all_greedy:
         return logits.argmax(dim=-1)
-    temperature = metadata.temperature
-    sampled = temperature > 0
-    inverse = 1.0 / torch.where(sampled, temperature, torch.ones_like(temperature))
-    noise = gumbel_noise(metadata.seeds, metadata.offsets, logits.shape[1], logits.device)
-    scores = logits.float() * inverse.unsqueeze(1) + noise
-    if not metadata.greedy.any():
-        return scores.argmax(dim=-1)
-    return torch.where(sampled, scores.argmax(dim=-1), logits.argmax(dim=-1))
+    if logits.device.type == "cuda":
+        from nanoinfer.kernels import triton_sampling
+
+        return triton_sampling.gumbel_sample(logits, metadata.temperature, metadata.seeds, metadata.offsets)
+    return sampling_ref.gumbel_sample_ref(logits, metadata.temperature, metadata.seeds, metadata.offsets)
 
 
 class Sampler:
@@ -149,8 +157,7 @@ class Sampler:
                 selected = logits[index]
                 apply_top_k_top_p(selected, k, p)
                 logits[index] = selected
-        noise = gumbel_noise(metadata.seeds, metadata.offsets, vocab, device)
-        sampled = logits.add_(noise).argmax(dim=-1)
+        sampled = logits.add_(_gumbel_noise(metadata, vocab, device)).argmax(dim=-1)
         if greedy_tokens is not None:
             return torch.where(temperature > 0, sampled, greedy_tokens)
         return sampled

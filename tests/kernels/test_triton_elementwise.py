@@ -10,9 +10,7 @@ from nanoinfer.kernels.elementwise_ref import (
     rms_norm_ref,
     silu_and_mul_ref,
 )
-from nanoinfer.layers.layernorm import add_rms_norm as layer_add_rms_norm
-from nanoinfer.layers.layernorm import rms_norm as layer_rms_norm
-from nanoinfer.layers.rotary import RotaryEmbedding, apply_rotary
+from nanoinfer.layers.rotary import RotaryEmbedding
 from tests.kernels.helpers import (
     DEVICE,
     DTYPE,
@@ -34,17 +32,6 @@ def _kernels():
 def _rows(gen, num_rows, hidden, dtype, row_stride_pad=0):
     """[num_rows, hidden], a row-strided view when row_stride_pad > 0."""
     return randn(gen, num_rows, hidden + row_stride_pad, dtype=dtype)[:, :hidden]
-
-
-def test_references_match_the_layers():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
-    residual = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(64, generator=gen).to(torch.bfloat16)
-    assert torch.equal(rms_norm_ref(x, weight, 1e-6), layer_rms_norm(x, weight, 1e-6))
-    expected_x, expected_residual = layer_add_rms_norm(x, residual, weight, 1e-6)
-    got_x, got_residual = add_rms_norm_ref(x.clone(), residual.clone(), weight, 1e-6)
-    assert torch.equal(got_x, expected_x) and torch.equal(got_residual, expected_residual)
 
 
 @pytest.mark.parametrize("num_rows,hidden,pad", [(0, 64, 0), (1, 1024, 0), (7, 100, 3), (33, 64, 8)])
@@ -165,23 +152,6 @@ def test_qk_norm_rope_without_cache_only_rotates(dtype):
     # An FP8 model's scales are passed from the start; with no cache yet they have nothing to apply to.
     scales = fp8_scales(0.1, 0.1)
     kernels.qk_norm_rope_store(qkv.clone(), *args, *scales)
-
-
-def test_rope_reference_matches_the_layer():
-    gen = torch.Generator().manual_seed(1)
-    num_tokens, num_heads, num_kv_heads, head_dim = 5, 4, 2, 32
-    rotary = RotaryEmbedding(head_dim, 64, 10000.0)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(torch.bfloat16)
-    positions = torch.randint(0, 64, (num_tokens,), generator=gen)
-    heads = qkv.view(num_tokens, -1, head_dim)
-    q, k = heads[:, :num_heads].clone(), heads[:, num_heads : num_heads + num_kv_heads].clone()
-    expected_q, expected_k = apply_rotary(positions, q, k, rotary.cos_sin)
-    empty = torch.empty(0, dtype=torch.bfloat16)
-    got_q, got_k, _ = qk_norm_rope_store_ref(
-        qkv, positions, rotary.cos_sin, num_heads, num_kv_heads, head_dim, None, None, 1e-6, empty, empty,
-        torch.zeros(num_tokens, dtype=torch.long),
-    )  # fmt: skip
-    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
 
 
 @fp8_store
