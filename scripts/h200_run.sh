@@ -2,6 +2,7 @@
 # The GPU measurements of the project, as run on the H200 device (results and logs land in $OUT):
 #   scripts/h200_run.sh check   kernel + engine correctness (scripts/gpu_check.py) and the offline
 #                               throughput benchmark on a random Qwen3-0.6B-shaped checkpoint
+#   scripts/h200_run.sh kernels every kernel against its reference and the timings of their variants
 #   scripts/h200_run.sh serve   the OpenAI server on the same checkpoint under a request-rate sweep
 #   scripts/h200_run.sh tp      (2 GPUs) tensor parallelism: TP=2 against TP=1, correctness and
 #                               throughput (Qwen3-0.6B and -8B shapes), then a worker killed mid-run
@@ -25,9 +26,13 @@ check)
     # SKIP_KERNELS=1: engine checks only (the kernel grid is unchanged since its last passing run).
     timeout 300 python3 scripts/gpu_check.py ${SKIP_KERNELS:+--skip-kernels}
     write_checkpoint
-    # HF_COMPARE=0 skips the transformers side-by-side (about 2 minutes of device time).
-    timeout 280 python3 benchmarks/throughput.py --model "$CKPT" --bound --tpot --profile --hf-compare "${HF_COMPARE:-32}" \
-        --result-file "$OUT/throughput.json"
+    # The workload with async scheduling on and off (fresh engines, first passes), the profiles, the
+    # bound; HF_CB=1 adds transformers' continuous batching on the same workload (about 4 minutes).
+    timeout 400 python3 benchmarks/throughput.py --model "$CKPT" --bound --tpot --profile --async-ab \
+        ${HF_CB:+--hf-cb} --result-file "$OUT/throughput.json"
+    ;;
+kernels)
+    timeout 540 python3 scripts/gpu_kernels.py
     ;;
 serve)
     write_checkpoint
@@ -61,7 +66,7 @@ tp)
     done
     ;;
 *)
-    echo "usage: $0 check|serve|tp" >&2
+    echo "usage: $0 check|kernels|serve|tp" >&2
     exit 2
     ;;
 esac

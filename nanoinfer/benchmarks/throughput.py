@@ -308,11 +308,12 @@ def profile_decode_step(
             engine.add_request(f"profile-prompt-{next(extra)}", prompt, one_token)
         engine.step()
 
-    started = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - started) / steps * 1e3
+    with _host_phases(llm) as phases:
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - started) / steps * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -338,6 +339,8 @@ def profile_decode_step(
         "gpu_ms_by_category": {k: round(v, 3) for k, v in sorted(categories.items())},
         "gpu_ms_total": round(gpu_ms, 3),
         "kernels_per_step": round(num_kernels / steps, 1),
+        # Host time per step by phase (the wait for the device is in result).
+        "host_phases_ms": {name: round(total / steps * 1e3, 3) for name, total in phases.items()},
         # The step's wall time in which the GPU did nothing: host work on the critical path.
         "host_only_ms": round(max(step_ms - gpu_ms, 0.0), 3),
         "top_kernels": [
@@ -347,6 +350,42 @@ def profile_decode_step(
             )[:12]
         ],
     }
+
+
+@contextlib.contextmanager
+def _host_phases(llm):
+    """Yields a dict that fills with the seconds spent in each phase of the engine's steps."""
+    from nanoinfer.executor.model_runner import StepHandle
+
+    engine = llm.llm_engine
+    core = engine.engine_core
+    totals: dict[str, float] = {}
+    patched = []
+
+    def timed(owner, name, label):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, wrapper)
+        patched.append((owner, name, original))
+
+    timed(core.scheduler, "schedule", "schedule")
+    timed(core.executor.runner, "prepare", "prepare_inputs")
+    timed(core.executor.runner, "execute", "launch")
+    timed(StepHandle, "result", "wait_and_fetch")
+    timed(core.scheduler, "update_from_output", "update")
+    timed(engine.output_processor, "process_outputs", "outputs")
+    try:
+        yield totals
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
@@ -419,28 +458,43 @@ def prefill_step_time(llm, num_tokens: int = 16384, seed: int = 3) -> dict[str, 
     100-1024 tokens), the first time such a step runs in this engine and again (new random prompts, so
     that no prefix is cached)."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     from nanoinfer import SamplingParams
 
     rng = random.Random(seed)
     budget = llm.llm_engine.config.max_num_batched_tokens
     times = []
-    for _ in range(2):
+    for attempt in range(3):
         prompts, total = [], 0
         while total < min(num_tokens, budget):
             n = min(rng.randint(100, 1024), min(num_tokens, budget) - total)
             prompts.append([rng.randint(0, 10000) for _ in range(n)])
             total += n
+        params = SamplingParams(temperature=0.0, max_tokens=1)
         torch.cuda.synchronize()
+        if attempt == 2:  # the kernels of a warm prefill step
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                llm.generate(prompts, params, use_tqdm=False)
+                torch.cuda.synchronize()
+            break
         started = time.perf_counter()
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - started) * 1e3)
+    categories: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) or 0
+        if device_us > 0:
+            category = _kernel_category(event.key.lower())
+            categories[category] = categories.get(category, 0.0) + device_us / 1e3
     return {
         "tokens": total,
         "sequences": len(prompts),
         "first_ms": round(times[0], 2),
         "again_ms": round(times[1], 2),
+        "gpu_ms_by_category": {k: round(v, 3) for k, v in sorted(categories.items())},
+        "gpu_ms_total": round(sum(categories.values()), 3),
     }
 
 

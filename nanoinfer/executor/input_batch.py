@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from nanoinfer.engine.scheduler import NewRequestData, SchedulerOutput
+from nanoinfer.executor.pinned import PinnedRing
 from nanoinfer.sample.metadata import SamplingMetadata
 
 
@@ -58,6 +59,7 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
         self.block_size = block_size
         self.device = device
+        self.pinned = PinnedRing(device)
         # One column beyond max_model_len's blocks: a sequence at full length can start one more block.
         width = max_blocks_per_seq + 1
         self.block_table_host = np.zeros((max_num_seqs, width), dtype=np.int32)
@@ -86,12 +88,8 @@ class InputBatch:
         self.previous_sample_row: dict[str, int] = {}
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array on the device without waiting for the device: from pinned memory on CUDA (a
-        copy from pageable memory first waits for the stream, which would undo async scheduling)."""
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        """A host array on the device, without waiting for the device (see :class:`PinnedRing`)."""
+        return self.pinned.to_device(array)
 
     # -- slots ---------------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from nanoinfer.distributed import all_reduce_min, broadcast_from_rank0, tensor_p
 from nanoinfer.engine.scheduler import RunnerOutput, SchedulerOutput
 from nanoinfer.executor.cuda_graphs import CudaGraphs, StepBuffers, cuda_graph_batch_sizes
 from nanoinfer.executor.input_batch import InputBatch, StepInputs, StepPlan
+from nanoinfer.executor.pinned import PinnedRing
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
 from nanoinfer.layers.kernels import triton_kernels, use_kernels
 from nanoinfer.models.checkpoint import load_weights
@@ -132,6 +133,8 @@ class ModelRunner:
         self.input_batch = InputBatch(
             config.max_num_seqs, config.max_blocks_per_seq, self.block_size, self.device
         )
+        # Sampled tokens on their way to the host; a handle reads its buffer before the ring comes round.
+        self.pinned_outputs = PinnedRing(self.device, num_buffers=8)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
         graph_sizes = cuda_graph_batch_sizes(config.max_num_seqs) if use_graphs else []
         max_rows = max([config.max_num_seqs, *graph_sizes])
@@ -342,13 +345,8 @@ class ModelRunner:
             self._compute_logits(hidden[self._to_device(step.logits_index)])
 
     def _fetch(self, out: SchedulerOutput, plan: StepPlan, tokens: torch.Tensor) -> StepHandle:
-        if self.device.type != "cuda":
-            return StepHandle(out, plan, tokens, None, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return StepHandle(out, plan, host, event, self.device_wait)
+        host, event = self.pinned_outputs.to_host(tokens)
+        return StepHandle(out, plan, host, event, self.device_wait if event is not None else None)
 
     def _prompt_logprob_targets(self, out: SchedulerOutput, plan: StepPlan) -> tuple[list[int], list[int]]:
         batch = self.input_batch
@@ -421,8 +419,7 @@ class ModelRunner:
             prefill_starts = step.query_start_loc[num_decode:] - num_decode
             parts["prefill_query_start_loc"] = (prefill_starts, len(prefill_starts), 0)
         total = sum(size for _, size, _ in parts.values())
-        host = torch.empty(total, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        host_array = host.numpy()
+        host_array = np.empty(total, dtype=np.int64)
         views = {}
         offset = 0
         for name, (array, size, pad) in parts.items():
@@ -431,7 +428,7 @@ class ModelRunner:
             host_array[offset + n : offset + size] = pad
             views[name] = (offset, size)
             offset += size
-        device = host.to(self.device, non_blocking=True)
+        device = self.input_batch.to_device(host_array)
         b = self.buffers
         for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
             start, size = views.pop(name)

@@ -64,6 +64,25 @@ def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot)
 
 
+def preferred_config(m: int, n: int, k: int) -> GemvConfig | None:
+    """The configuration that beat cuBLAS for this shape on an H200 (bf16, Qwen3-0.6B projections, M =
+    1..16; docs/benchmarks.md), or None where cuBLAS was as fast or faster. Projections that reduce
+    (K > N: attention output, MLP down) are where cuBLAS is slowest at small M (12.6 us for 2048->1024
+    at M=1 against 3.0 here); wide ones (qkv, gate_up) only gain at M=1, the vocabulary projection at
+    every M."""
+    if m > MAX_ROWS:
+        return None
+    if n >= 32768:  # the vocabulary projection
+        return GemvConfig(block_n=32 if m <= 4 else 64, block_k=128, use_dot=True)
+    if k > n:
+        if m <= 4:
+            return GemvConfig(block_n=4, block_k=1024, num_warps=2)
+        return GemvConfig(block_n=32, block_k=128, split_k=4, use_dot=True)
+    if m == 1:
+        return GemvConfig(block_n=8, block_k=1024)
+    return None
+
+
 @triton.jit
 def _load_tiles(w_rows, x_rows, k0, k_stop, col_mask, row_mask, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """The weight tile [BLOCK_N, BLOCK_K] and the x tile [BLOCK_M, BLOCK_K] at k0 (zeros past k_stop)."""

@@ -66,10 +66,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, pdl: bool = True) -> None:
         from nanoinfer.kernels import triton_attention  # Triton is imported only on CUDA
 
         self.kernels = triton_attention
+        # Programmatic dependent launch of the decode kernel, like the layer's other kernels (CUDA only).
+        self.pdl = pdl
         # Split-KV scratch shared by every layer (they run one after another): allocated by the model
         # runner for its largest batch, before graph capture.
         self.decode_workspace = None
@@ -86,6 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 scale,
                 workspace=self.decode_workspace,
+                pdl=self.pdl,
                 **scales,
             )
         if num_decode == 0:

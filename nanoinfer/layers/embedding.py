@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.distributed import all_reduce, gather_to_rank0, tp_rank, tp_size
+from nanoinfer.layers.kernels import REFERENCE_KERNELS
 from nanoinfer.layers.linear import copy_checked, loaded_shape, read_slice
 
 
@@ -52,8 +53,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; the full vocabulary row is gathered on rank 0 only (the
     sampler runs there), other ranks return None."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.kernels = REFERENCE_KERNELS
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        logits = self.kernels.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         full = gather_to_rank0(logits, dim=-1)

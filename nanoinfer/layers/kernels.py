@@ -4,9 +4,12 @@ tested against). The model runner picks one for the whole model with :func:`use_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.kernels import elementwise_ref
@@ -18,6 +21,7 @@ class LayerKernels:
     add_rms_norm: Callable  # in place: (x, residual) <- (rms_norm(x + residual), x + residual)
     silu_and_mul: Callable
     qk_norm_rope_store: Callable  # in place on the fused qkv; stores k and v in the paged cache
+    linear: Callable  # x @ weight.T + bias
 
 
 REFERENCE_KERNELS = LayerKernels(
@@ -25,17 +29,30 @@ REFERENCE_KERNELS = LayerKernels(
     add_rms_norm=elementwise_ref.add_rms_norm_ref,
     silu_and_mul=elementwise_ref.silu_and_mul_ref,
     qk_norm_rope_store=elementwise_ref.qk_norm_rope_store_ref,
+    linear=F.linear,
 )
 
 
-def triton_kernels() -> LayerKernels:
+def triton_kernels(pdl: bool = True) -> LayerKernels:
+    """The Triton kernels; with ``pdl`` (CUDA only) launched with programmatic dependent launch: a kernel
+    starts while its predecessor finishes and waits for it only where it reads its output (on an H200
+    the 28-layer decode graph of the Qwen3-0.6B shape took 1106 us instead of 1201 at batch 1)."""
     from nanoinfer.kernels import triton_elementwise as kernels  # Triton is imported only on CUDA
+    from nanoinfer.kernels import triton_gemv
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # Small batches read the weights once: a GEMV kernel where it measured faster than cuBLAS.
+        config = triton_gemv.preferred_config(x.shape[0], weight.shape[0], weight.shape[1])
+        if config is None or x.dim() != 2 or x.stride(1) != 1:
+            return F.linear(x, weight, bias)
+        return triton_gemv.gemv(x, weight, bias, config=config, pdl=pdl)
 
     return LayerKernels(
-        rms_norm=kernels.rms_norm,
-        add_rms_norm=kernels.add_rms_norm,
-        silu_and_mul=kernels.silu_and_mul,
-        qk_norm_rope_store=kernels.qk_norm_rope_store,
+        rms_norm=functools.partial(kernels.rms_norm, pdl=pdl),
+        add_rms_norm=functools.partial(kernels.add_rms_norm, pdl=pdl),
+        silu_and_mul=functools.partial(kernels.silu_and_mul, pdl=pdl),
+        qk_norm_rope_store=functools.partial(kernels.qk_norm_rope_store, pdl=pdl),
+        linear=linear,
     )
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.distributed import all_reduce, tp_rank, tp_size
+from nanoinfer.layers.kernels import REFERENCE_KERNELS
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -67,6 +67,7 @@ class _ParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.kernels = REFERENCE_KERNELS
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id=None) -> None:
         if self.tp_dim is not None and self.tp_dim < len(loaded_shape(loaded)):
@@ -76,7 +77,7 @@ class _ParallelLinear(nn.Module):
             copy_checked(param.data, read_all(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.kernels.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(_ParallelLinear):
@@ -148,7 +149,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.kernels.linear(x, self.weight, self.bias)
         # Only rank 0 adds the bias, so that the sum contains it once.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.kernels.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)

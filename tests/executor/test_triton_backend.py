@@ -17,8 +17,8 @@ from nanoinfer.layers.kernels import triton_kernels, use_kernels  # noqa: E402
 
 def _use_triton(llm: LLM) -> None:
     runner = llm.llm_engine.engine_core.executor.runner
-    use_kernels(runner.model, triton_kernels())
-    backend = TritonAttentionBackend()
+    use_kernels(runner.model, triton_kernels(pdl=False))  # programmatic dependent launch is CUDA-only
+    backend = TritonAttentionBackend(pdl=False)
     first = runner.attention_layers[0]
     width = runner.input_batch.block_table.shape[1]
     backend.decode_workspace = backend.kernels.DecodeWorkspace.allocate(
