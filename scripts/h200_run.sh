@@ -28,7 +28,7 @@ check)
     write_checkpoint
     # The workload with async scheduling on and off (fresh engines, first passes), the profiles, the
     # bound; HF_CB=1 adds transformers' continuous batching on the same workload (about 4 minutes).
-    timeout 400 python3 benchmarks/throughput.py --model "$CKPT" --bound --tpot --profile --async-ab \
+    timeout 400 python3 benchmarks/throughput.py --model "$CKPT" --bound --tpot --profile --async-ab ${PDL_AB:+--pdl-ab} \
         ${HF_CB:+--hf-cb} --result-file "$OUT/throughput.json"
     ;;
 kernels)

@@ -54,6 +54,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="run the workload with async scheduling on and off (a fresh engine each, first pass)",
     )
     parser.add_argument(
+        "--pdl-ab",
+        action="store_true",
+        help="with --profile: also profile with programmatic dependent launch off (graphs recaptured)",
+    )
+    parser.add_argument(
         "--hf-cb",
         action="store_true",
         help="also run transformers' own continuous batching (generate with a paged cache) on the workload",
@@ -181,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: {e}") from None
 
     engine_kwargs = engine_kwargs_from_args(args)
-    modes = [True, False] if args.async_ab else [engine_kwargs.get("async_scheduling")]
+    # The engine kept for the measurements after the workload (profiles, latency) is the last one: the
+    # async one, the default on CUDA.
+    modes = [False, True] if args.async_ab else [engine_kwargs.get("async_scheduling")]
     passes = []
     for mode in modes:
         kwargs = dict(engine_kwargs) if mode is None else {**engine_kwargs, "async_scheduling": mode}
@@ -235,6 +242,9 @@ def run(args: argparse.Namespace) -> int:
         result["decode_step_profile_batch1"] = profile_decode_step(llm, batch=1, context=600)
         result["mixed_step_profile"] = profile_decode_step(llm, batch=128, context=600, prompt_per_step=1024)
         result["graph_replay_ms"] = graph_replay_times(llm)
+        result["sync_probe"] = sync_probe(llm)
+        if args.pdl_ab:
+            result["without_pdl"] = _without_pdl(llm)
         result["prefill_step_ms"] = prefill_step_time(llm)
     if args.bound:
         result["bound"] = physical_bound(llm, prompts, max_tokens)
@@ -343,6 +353,11 @@ def profile_decode_step(
         "host_phases_ms": {name: round(total / steps * 1e3, 3) for name, total in phases.items()},
         # The step's wall time in which the GPU did nothing: host work on the critical path.
         "host_only_ms": round(max(step_ms - gpu_ms, 0.0), 3),
+        # Host-side time by CPU event (Python ops and CUDA runtime calls): what a step waits in.
+        "cpu_top": [
+            (e.key[:60], round(e.self_cpu_time_total / steps / 1e3, 3))
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+        ],
         "top_kernels": [
             (e.key[:80], round((getattr(e, "self_device_time_total", 0) or 0) / steps / 1e3, 3))
             for e in sorted(
@@ -427,6 +442,66 @@ def _kernel_category(name: str) -> str:
     if any(k in name for k in ("rms_norm", "silu", "rope")):
         return "fused_elementwise"
     return "other_elementwise"
+
+
+def sync_probe(llm, batch: int = 8) -> dict[str, Any]:
+    """Which host phase of a step waits for the device: a 100 ms sleep kernel is queued first, then one
+    engine step is timed by phase. Only the wait for the previous step's tokens should absorb it."""
+    import torch
+
+    from nanoinfer import SamplingParams
+    from nanoinfer.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = SamplingParams(
+        temperature=0.6, max_tokens=32, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    rng = random.Random(4)
+    for i in range(batch):
+        engine.add_request(f"probe-{i}", [rng.randint(0, 10000) for _ in range(300)], params)
+    for _ in range(6):
+        engine.step()
+    torch.cuda.synchronize()
+    probes = {}
+    for name in ("after_sleep", "again"):
+        if name == "after_sleep":
+            torch.cuda._sleep(200_000_000)  # cycles: about 100 ms at the H200's clocks
+        with _host_phases(llm) as phases:
+            started = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - started
+        probes[name] = {"step_ms": round(total * 1e3, 2), **{k: round(v * 1e3, 2) for k, v in phases.items()}}
+    engine.abort_request([f"probe-{i}" for i in range(batch)])
+    while engine.has_unfinished_requests() or engine.engine_core.has_unfinished_requests():
+        engine.step()
+    return probes
+
+
+def _without_pdl(llm) -> dict[str, Any]:
+    """The batch-1 and batch-256 profiles and graph replays with the Triton kernels launched without
+    programmatic dependent launch (kernels switched, graphs captured again); PDL is switched back."""
+    from nanoinfer.layers.kernels import triton_kernels, use_kernels
+
+    runner = llm.llm_engine.engine_core.executor.runner
+    backend = runner.attention_layers[0].backend
+
+    def switch(pdl: bool) -> None:
+        use_kernels(runner.model, triton_kernels(pdl=pdl))
+        backend.pdl = pdl
+        sizes = list(runner.graphs.graphs)
+        runner.graphs.clear()
+        runner.graphs.capture(sizes, llm.llm_engine.config.max_model_len)
+
+    switch(False)
+    try:
+        return {
+            "decode_step_profile_batch1": profile_decode_step(llm, batch=1, context=600),
+            "decode_step_profile": profile_decode_step(llm),
+            "graph_replay_ms": graph_replay_times(llm),
+            "single_sequence": single_sequence_latency(llm),
+        }
+    finally:
+        switch(True)
 
 
 def graph_replay_times(llm, batch_sizes: tuple[int, ...] = (1, 8, 64, 256), replays: int = 50) -> dict:

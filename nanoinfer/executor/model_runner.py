@@ -218,6 +218,8 @@ class ModelRunner:
             # One prompt chunk after a cached prefix, beside one decode row: both attention kernels.
             for num_decode in (0, 1):
                 self._dummy_step(num_tokens, num_decode)
+        # Many decode rows beside a prompt: the decode kernel without splits (a full grid).
+        self._dummy_step(cfg.max_num_seqs + 32, cfg.max_num_seqs)
         hidden = torch.zeros(1, cfg.hf_config.hidden_size, dtype=self.dtype, device=device)
         for batch in (1, 4, 16, 64, cfg.max_num_seqs):
             # A collective under tensor parallelism (every rank joins); None on the workers.

@@ -686,7 +686,9 @@ def _launch_decode(
             workspace, batch, num_heads, num_kv_heads, head_dim, num_splits, query.device
         )
         partial_out, partial_lse, counters = workspace.partial_out, workspace.partial_lse, workspace.counters
-    block_s = triton.next_power_of_2(num_splits)
+    # One compiled variant for every split count (the merge masks the unused splits): a count derived
+    # from the batch would otherwise compile a new variant the first time a batch size is met.
+    block_s = triton.next_power_of_2(config.max_splits)
     options = launch_options(pdl, query.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,

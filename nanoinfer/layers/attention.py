@@ -114,6 +114,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             out=out[:num_decode],
             workspace=self.decode_workspace,
+            pdl=self.pdl,
             **scales,
         )
         self.kernels.paged_prefill_attention(
