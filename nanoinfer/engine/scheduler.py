@@ -247,7 +247,9 @@ class Scheduler:
             self._schedule(out, request, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        out.finished_request_ids, self._left_batch = self._left_batch, []
+        # Reported with the next step that runs (an empty output never reaches the model runner).
+        if out.scheduled:
+            out.finished_request_ids, self._left_batch = self._left_batch, []
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
 

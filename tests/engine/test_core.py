@@ -152,6 +152,25 @@ def test_decodes_gain_a_token_every_step_while_a_long_prompt_is_chunked(tiny_qwe
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
+def test_rows_of_requests_that_ended_while_idle_are_freed(tiny_qwen3, asynchronous):
+    # The model runner frees a row when the next step that runs reports its request gone.
+    with LLM(tiny_qwen3, async_scheduling=asynchronous, max_num_seqs=2, **KWARGS) as llm:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        for round_ in range(4):
+            engine.add_request(f"a{round_}", _prompt(5, round_), params)
+            engine.add_request(f"b{round_}", _prompt(7, round_), params)
+            engine.step()
+            engine.step()
+            engine.abort_request([f"a{round_}", f"b{round_}"])
+            while engine.engine_core.has_unfinished_requests():
+                engine.step()  # nothing left to schedule: the aborts wait for the next step that runs
+        out = llm.generate([_prompt(9, 9)] * 2, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 3 for o in out)
+        assert _all_free(llm)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
 def test_aborts_at_any_point_leak_nothing(engines, asynchronous):
     llm = engines["tight"][int(asynchronous)]
     engine = llm.llm_engine
