@@ -241,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         result["decode_step_profile"] = profile_decode_step(llm)
         result["decode_step_profile_batch1"] = profile_decode_step(llm, batch=1, context=600)
         result["mixed_step_profile"] = profile_decode_step(llm, batch=128, context=600, prompt_per_step=1024)
+        result["eager_mixed_and_prefill"] = _eager_mixed_and_prefill(llm)
         result["graph_replay_ms"] = graph_replay_times(llm)
         result["sync_probe"] = sync_probe(llm)
         if args.pdl_ab:
@@ -442,6 +443,20 @@ def _kernel_category(name: str) -> str:
     if any(k in name for k in ("rms_norm", "silu", "rope")):
         return "fused_elementwise"
     return "other_elementwise"
+
+
+def _eager_mixed_and_prefill(llm) -> dict[str, Any]:
+    """The mixed-step profile and the prefill step with the piecewise graphs off (eager launches), to
+    set beside the same measurements with them."""
+    runner = llm.llm_engine.engine_core.executor.runner
+    piecewise, runner.piecewise = runner.piecewise, None
+    try:
+        return {
+            "mixed_step_profile": profile_decode_step(llm, batch=128, context=600, prompt_per_step=1024),
+            "prefill_step_ms": prefill_step_time(llm),
+        }
+    finally:
+        runner.piecewise = piecewise
 
 
 def sync_probe(llm, batch: int = 8) -> dict[str, Any]:

@@ -95,3 +95,150 @@ class CudaGraphs:
 
     def clear(self) -> None:
         self.graphs.clear()
+
+
+def piecewise_token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Token counts with piecewise graphs: powers of two from 16 up to the step's token budget."""
+    sizes = []
+    size = 16
+    while size < max_num_batched_tokens:
+        sizes.append(size)
+        size *= 2
+    sizes.append(max_num_batched_tokens)
+    return sizes
+
+
+@dataclass
+class _AttentionCall:
+    """One attention layer's call between two pieces: what it reads besides the step's metadata."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: float
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+class _SplitAtAttention:
+    """Stands in for the attention backend while a forward pass is captured: each attention call ends the
+    graph being captured (after copying the query to the static query buffer) and starts the next one;
+    the call itself is recorded, to run eagerly between the replays."""
+
+    name = "piecewise-capture"
+
+    def __init__(self, capture: _PieceCapture):
+        self.capture = capture
+
+    def attend(self, query, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, out=None):
+        return self.capture.split(query, _AttentionCall(k_cache, v_cache, scale, k_scale, v_scale))
+
+
+class _PieceCapture:
+    def __init__(self, pool, query_buffer: torch.Tensor, output_buffer: torch.Tensor):
+        self.pool = pool
+        self.query_buffer = query_buffer
+        self.output_buffer = output_buffer
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[_AttentionCall] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        self.graph.capture_end()
+        self.pieces.append(self.graph)
+        self.graph = None
+
+    def split(self, query: torch.Tensor, call: _AttentionCall) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        self.query_buffer[:num_tokens].copy_(query)
+        self.end()
+        self.calls.append(call)
+        self.begin()
+        return self.output_buffer[:num_tokens]
+
+
+class PiecewiseGraphs:
+    """CUDA graphs of the forward pass for steps that are not pure decode (prompt chunks, and prompt
+    chunks beside decoding rows): eagerly such a step launches some 300 kernels from Python, which
+    took longer than the GPU ran them. Per token-count bucket, the forward pass is captured in pieces,
+    cut at every attention call; a step replays the pieces of the smallest bucket that holds its tokens
+    (the extra tokens write no K/V) and runs each attention call eagerly in between, on the step's real
+    rows (its grid depends on them)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        buffers: StepBuffers,
+        attention_layers: list,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ):
+        self.model = model
+        self.buffers = buffers
+        self.attention_layers = attention_layers
+        max_tokens = buffers.input_ids.shape[0]
+        device = buffers.input_ids.device
+        # Shared by every layer and bucket: one step at a time, one layer at a time.
+        self.query_buffer = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device=device)
+        self.output_buffer = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device=device)
+        self.buckets: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_AttentionCall], torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self, token_counts: list[int]) -> None:
+        b = self.buffers
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        backends = [layer.backend for layer in self.attention_layers]
+        for num_tokens in reversed(token_counts):  # largest first: the smaller ones fit in its memory
+            # The captured kernels read only the slots (the K/V store); attention is not captured.
+            meta = AttentionMetadata(
+                slot_mapping=b.slot_mapping[:num_tokens],
+                query_start_loc=b.query_start_loc[:1],
+                seq_lens=b.seq_lens[:0],
+                block_tables=b.block_tables[:0],
+                num_decode_rows=0,
+                max_query_len=0,
+                max_seq_len=0,
+            )
+            capture = _PieceCapture(pool, self.query_buffer, self.output_buffer)
+            for layer in self.attention_layers:
+                layer.backend = _SplitAtAttention(capture)
+            torch.cuda.synchronize()
+            stream.wait_stream(torch.cuda.current_stream())
+            try:
+                with torch.cuda.stream(stream):
+                    capture.begin()
+                    hidden = self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], meta)
+                    capture.end()
+            finally:
+                for layer, backend in zip(self.attention_layers, backends, strict=True):
+                    layer.backend = backend
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            self.buckets[num_tokens] = (capture.pieces, capture.calls, hidden)
+        self.buckets = dict(sorted(self.buckets.items()))
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return next((size for size in self.buckets if size >= num_tokens), None)
+
+    def run(self, bucket: int, meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+        """The step's hidden states: the bucket's pieces, with the attention calls on ``meta`` (the
+        step's real rows and tokens) between them. The step's inputs are in the static buffers."""
+        pieces, calls, hidden = self.buckets[bucket]
+        query, out = self.query_buffer[:num_tokens], self.output_buffer[:num_tokens]
+        backends = [layer.backend for layer in self.attention_layers]
+        for i, piece in enumerate(pieces):
+            piece.replay()
+            if i < len(calls):
+                call = calls[i]
+                backends[i].attend(
+                    query, call.k_cache, call.v_cache, meta, call.scale, call.k_scale, call.v_scale, out=out
+                )
+        return hidden[:num_tokens]
+
+    def clear(self) -> None:
+        self.buckets.clear()

@@ -19,7 +19,13 @@ import torch
 from nanoinfer.config import EngineConfig
 from nanoinfer.distributed import all_reduce_min, broadcast_from_rank0, tensor_parallel_scope
 from nanoinfer.engine.scheduler import RunnerOutput, SchedulerOutput
-from nanoinfer.executor.cuda_graphs import CudaGraphs, StepBuffers, cuda_graph_batch_sizes
+from nanoinfer.executor.cuda_graphs import (
+    CudaGraphs,
+    PiecewiseGraphs,
+    StepBuffers,
+    cuda_graph_batch_sizes,
+    piecewise_token_buckets,
+)
 from nanoinfer.executor.input_batch import InputBatch, StepInputs, StepPlan
 from nanoinfer.executor.pinned import PinnedRing
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
@@ -96,6 +102,7 @@ class ModelRunner:
         self.kv_cache = None
         self.attention_layers = []
         self.graphs: CudaGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         try:
@@ -156,12 +163,19 @@ class ModelRunner:
         if use_graphs:
             self.graphs = CudaGraphs(self.model, self.buffers, config.hf_config.hidden_size, self.dtype)
             self.graphs.capture(graph_sizes, config.max_model_len)
+            self.piecewise = PiecewiseGraphs(
+                self.model, self.buffers, self.attention_layers, first.num_heads, self.head_dim, self.dtype
+            )
+            self.piecewise.capture(piecewise_token_buckets(config.max_num_batched_tokens))
 
     def close(self) -> None:
         """Drops the graphs, the KV pool and the model so their device memory can be reused. Idempotent."""
         if self.graphs is not None:
             self.graphs.clear()
             self.graphs = None
+        if self.piecewise is not None:
+            self.piecewise.clear()
+            self.piecewise = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = None
@@ -367,11 +381,13 @@ class ModelRunner:
         """The model's hidden states for every token of the step (a pure-decode step replays a graph)."""
         b = self.buffers
         num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
-        graph_bs = None
+        graph_bs = bucket = None
         if self.graphs is not None and step.num_decode_rows == num_rows:
             graph_bs = self.graphs.batch_size_for(num_rows)
+        if graph_bs is None and self.piecewise is not None:
+            bucket = self.piecewise.bucket_for(num_tokens)
         padded_rows = graph_bs or num_rows
-        padded_tokens = graph_bs or num_tokens
+        padded_tokens = graph_bs or bucket or num_tokens
         staging = self._stage(step, padded_tokens, padded_rows)
         batch = self.input_batch
         if len(step.table_slots):
@@ -396,6 +412,8 @@ class ModelRunner:
         )
         if 0 < num_decode < num_rows:
             meta.prefill_query_start_loc = staging["prefill_query_start_loc"]
+        if bucket is not None:
+            return self.piecewise.run(bucket, meta, num_tokens)
         return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], meta)
 
     def _stage(self, step: StepInputs, padded_tokens: int, padded_rows: int) -> dict[str, torch.Tensor]:

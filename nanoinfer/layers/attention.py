@@ -38,8 +38,17 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(
-        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None
-    ) -> torch.Tensor: ...
+        self,
+        query,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale=None,
+        v_scale=None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention output [tokens, heads, head_dim]: a new tensor, or written into ``out``."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -47,8 +56,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def attend(self, query, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None):
-        return paged_attention_ref(
+    def attend(self, query, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, out=None):
+        result = paged_attention_ref(
             query,
             k_cache,
             v_cache,
@@ -59,6 +68,7 @@ class TorchAttentionBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
         )
+        return result if out is None else out.copy_(result)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -76,7 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
         # runner for its largest batch, before graph capture.
         self.decode_workspace = None
 
-    def attend(self, query, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None):
+    def attend(self, query, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, out=None):
         num_decode = meta.num_decode_rows
         scales = {"k_scale": k_scale, "v_scale": v_scale}
         if num_decode == len(meta.seq_lens):
@@ -87,6 +97,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.block_tables,
                 meta.seq_lens,
                 scale,
+                out=out,
                 workspace=self.decode_workspace,
                 pdl=self.pdl,
                 **scales,
@@ -101,9 +112,11 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.block_tables,
                 meta.max_query_len,
                 scale,
+                out=out,
                 **scales,
             )
-        out = torch.empty_like(query)
+        if out is None:
+            out = torch.empty_like(query)
         # Decode rows have one query token each, so the prefill rows' tokens start at num_decode.
         self.kernels.paged_decode_attention(
             query[:num_decode],
