@@ -1,9 +1,10 @@
 """EngineCoreProcess (the API side of an engine core in its own process) on the tiny model, CPU: the same
 tokens and logprobs as an in-process EngineCore, aborts free blocks, a rejected request fails alone,
 utility calls from many threads, and every way the engine process ends: shut down (no on_dead), killed
-(on_dead within 2 s), a fatal step error (on_dead with its traceback), a failed or slow start (an
-exception, nothing left running), and the API process killed (the engine process exits within 5 s). No
-socket directory or /dev/shm entry is left behind."""
+(on_dead within 2 s), a fatal step error under tensor parallelism (on_dead with its traceback), a failed
+or slow start (an exception, nothing left running), and the API process killed (the engine process exits
+within 5 s) or exiting without shutdown() (its exit hook stops the engine). No socket directory (nor the
+tensor-parallel channel's /dev/shm segment) is left behind."""
 
 import glob
 import os
@@ -94,8 +95,11 @@ class _Collector:
         self.wait(lambda: set(ids) <= set(self.finished) | set(self.errors), timeout)
 
 
-def _shm_entries():
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def _shm_entries_of(pid):
+    """/dev/shm entries named after ``pid``: the tensor-parallel channel of an engine process. (Other
+    entries, such as multiprocessing's semaphores, cannot be told apart from those of other processes
+    on the machine.)"""
+    return [e for e in os.listdir("/dev/shm") if f"_{pid}_" in e] if os.path.isdir("/dev/shm") else []
 
 
 def _socket_dirs():
@@ -114,15 +118,15 @@ def processor(config):
 
 @pytest.fixture
 def no_leftovers():
-    shm, dirs = _shm_entries(), _socket_dirs()
+    dirs = _socket_dirs()
     yield
-    assert _shm_entries() <= shm and _socket_dirs() <= dirs
+    assert _socket_dirs() <= dirs
 
 
 @pytest.fixture(scope="module")
 def served(config):
     """A shared engine process (each test uses request ids of its own) and its collector."""
-    shm, dirs = _shm_entries(), _socket_dirs()
+    dirs = _socket_dirs()
     collector = _Collector()
     client = EngineCoreProcess(config, collector.on_outputs, collector.on_dead, ready_timeout=60)
     assert client.num_kv_blocks == 64 and client.is_alive and client.error is None
@@ -133,7 +137,7 @@ def served(config):
     with pytest.raises(EngineCoreDeadError):
         client.abort_requests(["same0"])
     assert not os.path.exists(client.directory)
-    assert _shm_entries() <= shm and _socket_dirs() <= dirs
+    assert _socket_dirs() <= dirs
 
 
 def _requests(processor, prefix, count=3, **params):
@@ -252,21 +256,26 @@ def test_killed_engine_calls_on_dead(config, processor, no_leftovers):
     assert len(collector.dead) == 1 and not os.path.exists(client.directory)
 
 
-def test_fatal_step_error_calls_on_dead(config, processor, no_leftovers):
+def test_fatal_step_error_calls_on_dead(tiny_qwen3, processor, no_leftovers):
+    """Under tensor parallelism too: the engine process starts its worker (it is no daemon), and a step
+    failure on rank 0 stops the worker and the process, leaving nothing behind."""
+    config = EngineConfig(tiny_qwen3, tensor_parallel_size=2, **KWARGS)
     collector = _Collector()
     client = EngineCoreProcess(
         config, collector.on_outputs, collector.on_dead, ready_timeout=60, core_factory=_StepFailsCore
     )
     try:
         client.add_requests(_requests(processor, "fatal", max_tokens=50))
-        collector.wait(lambda: collector.dead, timeout=10)
+        collector.wait(lambda: collector.dead, timeout=20)
         [(_, text)] = collector.dead
         assert "injected step failure" in text and "Traceback" in text and not client.is_alive
-        client._receiver.join(10)
+        assert collector.num_batches >= 1  # the steps before the failure
+        client._receiver.join(20)
         assert client._process.exitcode == 1
     finally:
         client.shutdown()
     assert len(collector.dead) == 1 and collector.threads == {"nanoinfer-core-client"}
+    assert not _shm_entries_of(client.pid)
 
 
 def test_failed_start_raises_with_the_engine_error(config, no_leftovers):
