@@ -300,10 +300,12 @@ class EngineCoreProcess:
             future = self._calls.pop(result.call_id, None)
         if future is None:  # its caller stopped waiting
             return
-        if result.error is not None:
-            future.set_exception(RuntimeError(f"the engine's utility call failed: {result.error}"))
-        else:
-            future.set_result(result.value)
+        # A caller may have cancelled the future (asyncio.wrap_future does when its awaiter is cancelled).
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            if result.error is not None:
+                future.set_exception(RuntimeError(f"the engine's utility call failed: {result.error}"))
+            else:
+                future.set_result(result.value)
 
     def _report_dead(self, text: str) -> None:
         """Once: marks the engine dead, fails the pending calls, and (unless shut down) calls on_dead."""
@@ -314,7 +316,8 @@ class EngineCoreProcess:
             calls, self._calls = list(self._calls.values()), {}
             crashed = not self._shutdown_requested
         for future in calls:
-            future.set_exception(EngineCoreDeadError(text))
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by its caller
+                future.set_exception(EngineCoreDeadError(text))
         if crashed:
             try:
                 self._on_dead(text)

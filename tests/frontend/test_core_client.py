@@ -6,6 +6,7 @@ or slow start (an exception, nothing left running), and the API process killed (
 within 5 s) or exiting without shutdown() (its exit hook stops the engine). No socket directory (nor the
 tensor-parallel channel's /dev/shm segment) is left behind."""
 
+import asyncio
 import glob
 import os
 import signal
@@ -231,7 +232,17 @@ def test_calls_from_many_threads(served):
     with pytest.raises(RuntimeError, match="TypeError"):
         client.call("stats", 1, timeout=10)
     assert client.call_future("ping", "x").result(10) == ["x"]
-    assert not client._calls
+
+    async def cancel_one_then_call():
+        """An awaiter cancelled while its call is in flight cancels the future; its answer is dropped."""
+        waiting = asyncio.ensure_future(asyncio.wrap_future(client.call_future("ping", "cancelled")))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        return [await asyncio.wrap_future(client.call_future("ping", i)) for i in range(3)]
+
+    for _ in range(5):
+        assert asyncio.run(cancel_one_then_call()) == [[0], [1], [2]]
+    assert client.is_alive and not client._calls
 
 
 def test_killed_engine_calls_on_dead(config, processor, no_leftovers):
