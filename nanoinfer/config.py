@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# vLLM's names: "auto" stores K/V in the model's dtype; the FP8 names store e4m3 with per-layer scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _DEVICES = ("auto", "cuda", "cpu")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -42,10 +44,12 @@ class EngineConfig:
     # Schedule and prepare step n+1 while the device runs step n. None: on for CUDA, off on the CPU
     # (where it gains nothing; it works there too, with the same tokens).
     async_scheduling: bool | None = None
+    kv_cache_dtype: str = "auto"
 
     # Resolved in __post_init__.
     hf_config: Any = field(init=False, repr=False, default=None)
     torch_dtype: torch.dtype = field(init=False, default=torch.float32)
+    kv_cache_torch_dtype: torch.dtype = field(init=False, default=torch.float32)
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -73,6 +77,7 @@ class EngineConfig:
 
         self.hf_config = load_model_config(self.model)
         self.torch_dtype = self._resolve_dtype()
+        self.kv_cache_torch_dtype = self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 20
         if self.max_model_len is None or self.max_model_len > model_max:
             self.max_model_len = model_max
@@ -110,6 +115,8 @@ class EngineConfig:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be None or a bool, got {self.async_scheduling!r}")
 

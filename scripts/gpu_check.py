@@ -133,6 +133,45 @@ def engine_checks() -> bool:
     return ok
 
 
+def fp8_checks() -> bool:
+    """FP8 KV cache against the bf16 cache on the GPU: greedy generations of 16 prompts under vLLM's
+    check_logprobs_close rule (identical, or at the first mismatch each side's token is in the other's
+    top-5 logprobs), through chunked prefill and prefix hits."""
+    rng = random.Random(1)
+    path = build_model(
+        tempfile.mkdtemp(prefix="gpu-check-fp8-"), hidden_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+        weight_std=0.04, dtype="bfloat16",
+    )  # fmt: skip
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(20, 700))] for _ in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(path, kv_cache_dtype=kv, max_num_batched_tokens=512)
+        outputs[kv] = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine_stats()
+        leak_free = stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+        outputs[kv + "_blocks"] = stats["num_kv_blocks_total"]
+        llm.close()
+    identical, failures = 0, []
+    for i, (a, b) in enumerate(zip(outputs["auto"], outputs["fp8"], strict=True)):
+        x, y = a.outputs[0], b.outputs[0]
+        for j, (tx, ty) in enumerate(zip(x.token_ids, y.token_ids, strict=True)):
+            if tx != ty:
+                if not (tx in y.logprobs[j] and ty in x.logprobs[j]):
+                    failures.append(f"prompt {i} diverged at {j} outside the top-5")
+                break
+        else:
+            identical += 1
+    ok = not failures and leak_free
+    RESULTS["fp8"] = {
+        "ok": ok, "identical": identical, "failures": failures,
+        "blocks_bf16": outputs["auto_blocks"], "blocks_fp8": outputs["fp8_blocks"],
+    }  # fmt: skip
+    log(f"{'PASS' if ok else 'FAIL'} fp8 vs bf16 KV: {identical}/16 identical, failures {failures}")
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-kernels", action="store_true")
@@ -150,6 +189,7 @@ def main() -> int:
     try:
         started = time.perf_counter()
         ok &= engine_checks()
+        ok &= fp8_checks()
         log(f"[engine] {time.perf_counter() - started:.0f}s")
     except Exception:  # noqa: BLE001 - report and fail
         RESULTS["error"] = traceback.format_exc()

@@ -35,6 +35,7 @@ ENGINE_OPTION_HELP = {
     "seed": "seed of the engine's random sampling; the same seed repeats a run's sampled answers",
     "cpu_num_threads": "threads each CPU process uses (default: torch's, every core)",
     "async_scheduling": "schedule and prepare step n+1 while the device runs step n (default: on for CUDA)",
+    "kv_cache_dtype": "K/V storage: auto (the model's dtype), or fp8 / fp8_e4m3 (half the bytes)",
 }
 
 # Extra option strings, vLLM's names for the same options.
@@ -47,6 +48,7 @@ ENGINE_OPTION_CHOICES = {
     "device": list(config._DEVICES),
     "dtype": ["auto", *config._DTYPES],
     "attention_backend": list(config._ATTENTION_BACKENDS),
+    "kv_cache_dtype": list(config.KV_CACHE_DTYPES),
 }
 
 # Placeholders in the usage line; the option's name already says what the value is.

@@ -28,6 +28,7 @@ from nanoinfer.executor.cuda_graphs import (
 )
 from nanoinfer.executor.input_batch import InputBatch, StepInputs, StepPlan
 from nanoinfer.executor.pinned import PinnedRing
+from nanoinfer.kernels.attention_ref import FP8_DTYPE, FP8_MAX
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
 from nanoinfer.layers.kernels import triton_kernels, use_kernels
 from nanoinfer.models.checkpoint import load_weights
@@ -38,6 +39,10 @@ from nanoinfer.sample.sampler import Sampler, prompt_logprobs
 from nanoinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The calibration prompts are random; real text may reach larger K/V values than they did.
+KV_SCALE_HEADROOM = 2.0
+_MIN_KV_SCALE = 1e-6
 
 # Waits until a CUDA event has completed (tensor parallelism replaces it with one that watches workers).
 DeviceWait = Callable[[torch.cuda.Event], None]
@@ -120,7 +125,7 @@ class ModelRunner:
                 self.model = DecoderForCausalLM(config.hf_config, max_position=config.max_model_len)
         finally:
             torch.set_default_dtype(previous_dtype)
-        load_weights(self.model, config.model, self.dtype)
+        checkpoint_kv_scales = load_weights(self.model, config.model, self.dtype)
         self.model.eval()
         backend = create_attention_backend(config.attention_backend)
         self.attention_layers = self.model.attention_layers()
@@ -133,8 +138,11 @@ class ModelRunner:
 
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim  # this rank's share
+        self.kv_dtype = config.kv_cache_torch_dtype
         if self.device.type == "cuda":
             self._profile_peak_memory()
+        if self.kv_dtype == FP8_DTYPE:
+            self._set_kv_scales(checkpoint_kv_scales)
         self.num_kv_blocks = self._decide_num_kv_blocks()
         self._allocate_kv_cache()
         self.input_batch = InputBatch(
@@ -186,7 +194,66 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         num_layers = len(self.attention_layers)
-        return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+    def _set_kv_scales(self, checkpoint_scales: dict[tuple[int, str], float]) -> None:
+        """Per layer, the K and V scales of the FP8 cache: the checkpoint's where it has them, else
+        measured by one calibration pass (random prompts, before the cache exists): the largest |k| and
+        |v| a layer stores, with headroom, mapped to e4m3's largest value. Values past it are clamped."""
+        num_layers = len(self.attention_layers)
+        if all((i, kind) in checkpoint_scales for i in range(num_layers) for kind in "kv"):
+            scales = [(checkpoint_scales[(i, "k")], checkpoint_scales[(i, "v")]) for i in range(num_layers)]
+            source = "the checkpoint"
+        else:
+            scales = self._calibrate_kv_scales()
+            source = f"a calibration pass (headroom {KV_SCALE_HEADROOM}x)"
+        for layer, (k_scale, v_scale) in zip(self.attention_layers, scales, strict=True):
+            layer.k_scale = torch.tensor([k_scale], dtype=torch.float32, device=self.device)
+            layer.v_scale = torch.tensor([v_scale], dtype=torch.float32, device=self.device)
+        logger.info(
+            "FP8 KV cache: per-layer scales from %s; k in [%.3g, %.3g], v in [%.3g, %.3g]",
+            source,
+            min(k for k, _ in scales),
+            max(k for k, _ in scales),
+            min(v for _, v in scales),
+            max(v for _, v in scales),
+        )
+
+    @torch.inference_mode()
+    def _calibrate_kv_scales(self) -> list[tuple[float, float]]:
+        cfg = self.config
+        generator = torch.Generator().manual_seed(cfg.seed)
+        num_tokens = min(cfg.max_model_len, cfg.max_num_batched_tokens, 2048)
+        vocab = cfg.hf_config.vocab_size
+        input_ids = torch.randint(0, vocab, (num_tokens,), generator=generator).to(self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            num_decode_rows=0,
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        for layer in self.attention_layers:
+            layer.kv_amax = []
+        try:
+            self.model(input_ids, positions, meta)
+            amax = [
+                (layer.kv_amax[0][0].item(), layer.kv_amax[0][1].item()) for layer in self.attention_layers
+            ]
+        finally:
+            for layer in self.attention_layers:
+                layer.kv_amax = None
+        # Under tensor parallelism each rank measures, and keeps scales for, its own heads.
+        return [
+            (
+                max(k * KV_SCALE_HEADROOM / FP8_MAX, _MIN_KV_SCALE),
+                max(v * KV_SCALE_HEADROOM / FP8_MAX, _MIN_KV_SCALE),
+            )
+            for k, v in amax
+        ]
 
     @torch.inference_mode()
     def _profile_peak_memory(self) -> None:
@@ -308,7 +375,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         num_layers = len(self.attention_layers)
         shape = (2, num_layers, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 

@@ -172,11 +172,16 @@ class Attention(nn.Module):
         # Dequantization scales of an FP8 cache (1-element float32 tensors); None for a 16-bit cache.
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        # While a list (the FP8 scale calibration): each forward pass before the cache exists appends
+        # the largest |k| and |v| it would store.
+        self.kv_amax: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim], already in the
         cache (they are read here only before the cache exists)."""
         if self.k_cache.numel() == 0:
+            if self.kv_amax is not None:
+                self.kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
             return self._attend_uncached(q, k, v, meta)
         return self.backend.attend(
             q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale

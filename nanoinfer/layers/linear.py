@@ -42,7 +42,8 @@ def read_slice(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
 
 
 def read_all(loaded: Any) -> torch.Tensor:
-    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    # A lazy safetensors slice; [...] also reads a 0-dimensional tensor, which [:] cannot.
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
 
 
 def copy_checked(target: torch.Tensor, source: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,12 +86,22 @@ def _default_weight_loader(param: nn.Parameter, loaded) -> None:
     copy_checked(param.data, read_all(loaded))
 
 
-def load_weights(model: DecoderForCausalLM, path: str, dtype: torch.dtype) -> None:
-    """Copies every checkpoint tensor into its (possibly fused, possibly sharded) parameter."""
+_KV_SCALE = re.compile(r"layers\.(\d+)\..*\b([kv])_scale$")
+
+
+def load_weights(model: DecoderForCausalLM, path: str, dtype: torch.dtype) -> dict[tuple[int, str], float]:
+    """Copies every checkpoint tensor into its (possibly fused, possibly sharded) parameter. Returns the
+    FP8 KV-cache scales the checkpoint carries (vLLM's ``layers.<i>.self_attn.k_scale`` / ``v_scale``),
+    by (layer index, "k" or "v")."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    kv_scales: dict[tuple[int, str], float] = {}
     for name, tensor in iter_checkpoint_weights(path, dtype):
         if name.endswith("rotary_emb.inv_freq") or (model.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        kv_scale = _KV_SCALE.search(name)
+        if kv_scale is not None:
+            kv_scales[(int(kv_scale.group(1)), kv_scale.group(2))] = float(read_all(tensor).float().max())
             continue
         for ckpt_part, (fused_part, shard_id) in model.packed_modules_mapping.items():
             if f".{ckpt_part}." in name:
@@ -119,3 +130,4 @@ def load_weights(model: DecoderForCausalLM, path: str, dtype: torch.dtype) -> No
         raise ValueError(
             f"checkpoint {path!r} is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
         )
+    return kv_scales
