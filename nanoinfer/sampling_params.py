@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from nanoinfer.structured.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy (vLLM's threshold): dividing logits by them only
 # amplifies rounding noise.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -113,6 +115,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True
+    # The output must follow a JSON schema, regex, choice list or grammar (see StructuredOutputsParams).
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -157,6 +161,13 @@ class SamplingParams:
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be None or a StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
         # Read by the sampler for every row of every step: requests that only set a temperature
         # take the short path.
         self._temperature_only = not (

@@ -8,10 +8,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nanoinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoinfer.config import EngineConfig
+    from nanoinfer.structured.backend import Grammar
+
+
+def engine_eos_token_ids(config: EngineConfig, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a sequence: the tokenizer's EOS and the model config's ``eos_token_id`` (one id
+    or a list)."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, getattr(config.hf_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return tuple(sorted(ids))
 
 
 @dataclass
@@ -67,9 +84,12 @@ class Request:
         "output_token_array",
         "distinct_prompt_ids",
         "min_tokens_banned_ids",
+        "grammar",
     )
 
-    def __init__(self, engine_request: EngineRequest, arrival_index: int):
+    def __init__(
+        self, engine_request: EngineRequest, arrival_index: int, grammar: Grammar | None = None
+    ):
         params = engine_request.params
         self.request_id = engine_request.request_id
         self.params = params
@@ -96,6 +116,8 @@ class Request:
         self.distinct_prompt_ids = np.unique(self.token_ids) if params.repetition_penalty != 1.0 else None
         banned = self.eos_token_ids | self.stop_token_ids
         self.min_tokens_banned_ids = sorted(banned) if params.min_tokens else []
+        # The matcher of a structured-outputs request, advanced by every token it accepts.
+        self.grammar = grammar
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoinfer.config import EngineConfig
-from nanoinfer.engine.request import EngineRequest
+from nanoinfer.engine.request import EngineRequest, engine_eos_token_ids
 from nanoinfer.sampling_params import SamplingParams, derive_seed
 
 PromptType = str | list[int] | dict
@@ -44,19 +44,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = config.hf_config.vocab_size
         self.num_kv_blocks = num_kv_blocks
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = engine_eos_token_ids(config, tokenizer)
         # Seeds of requests that name none: every request samples from noise of its own seed.
         self._seeds = random.Random(config.seed)
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids: set[int] = set()
-        gen_eos = getattr(self.config.hf_config, "eos_token_id", None)
-        for value in (self.tokenizer.eos_token_id, gen_eos):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list | tuple):
-                ids.update(v for v in value if isinstance(v, int))
-        return tuple(sorted(ids))
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
