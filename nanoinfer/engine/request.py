@@ -91,8 +91,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Prompt logprobs need the logits of every prompt position: no prefix-cache hits for the prompt.
         self.skip_prefix_cache = params.prompt_logprobs is not None
-        # Penalties read the generated tokens every step: a numpy copy kept up to date.
-        self.output_token_array = _TokenArray() if params.uses_penalties else None
+        # Penalties and bad_words read the generated tokens every step: a numpy copy kept up to date.
+        self.output_token_array = _TokenArray() if params.needs_output_token_ids else None
         self.distinct_prompt_ids = np.unique(self.token_ids) if params.repetition_penalty != 1.0 else None
         banned = self.eos_token_ids | self.stop_token_ids
         self.min_tokens_banned_ids = sorted(banned) if params.min_tokens else []
