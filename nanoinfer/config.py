@@ -269,6 +269,8 @@ class EngineConfig:
         defaults = {
             name: fields[key] for key, name in GENERATION_CONFIG_FIELDS.items() if fields.get(key) is not None
         }
+        if not defaults and fields:
+            source = f"none ({source} sets no sampling parameter)"
         if self.override_generation_config:
             overrides = self.override_generation_config
             defaults.update(
