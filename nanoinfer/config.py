@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from nanoinfer.sampling_params import SamplingParams
 
 # vLLM's dtype names: "half" is float16 and "float" float32.
 _DTYPES = {
@@ -288,7 +291,7 @@ class EngineConfig:
         self.generation_defaults = defaults
         self.generation_defaults_source = source
 
-    def default_sampling_params(self):
+    def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the generation defaults (vLLM's LLM.get_default_sampling_params)."""
         from nanoinfer.sampling_params import SamplingParams
 

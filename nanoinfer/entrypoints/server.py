@@ -41,7 +41,6 @@ from nanoinfer.entrypoints import openai_protocol as protocol
 from nanoinfer.entrypoints.http_limits import ServerLimits, header_timeout_protocol
 from nanoinfer.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
-from nanoinfer.frontend.llm_engine import describe_generation_defaults
 from nanoinfer.metrics import ServingMetrics
 from nanoinfer.outputs import Logprob, PositionLogprobs, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -103,7 +102,8 @@ class OpenAIServer:
         self.app = self._build_app()
 
     def startup_lines(self) -> list[str]:
-        """What the server logs when it starts: the model and how it runs, and the defaults in force."""
+        """What the server logs when it starts: the model and how it runs (the engine itself logs the
+        default sampling parameters)."""
         config = self.async_llm.config
         stats = self.async_llm.stats(timeout=30)
         blocks = stats.get("num_kv_blocks_total", 0)
@@ -116,7 +116,6 @@ class OpenAIServer:
             f"context length {config.max_model_len} tokens; KV cache {blocks} blocks of {block_size} tokens "
             f"({blocks * block_size} tokens)",
             f"served model names: {', '.join(self.served_model_names)}",
-            describe_generation_defaults(config),
         ]
 
     # -- app ------------------------------------------------------------------------------------------

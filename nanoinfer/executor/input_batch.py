@@ -114,7 +114,7 @@ class InputBatch:
         self.min_tokens[slot] = min(p.min_tokens, 1 << 62)  # any count past max_model_len is the same
         self.banned_ids[slot] = new.min_tokens_banned_ids
         self.prompt_ids[slot] = new.distinct_prompt_ids
-        self.logit_controls[slot] = RowLogitControls.from_params(p, self.device)
+        self.logit_controls[slot] = RowLogitControls.from_params(p, self.device, self.to_device)
         self.needs_output_ids[slot] = p.needs_output_token_ids
         self.num_blocks[slot] = 0
         return slot

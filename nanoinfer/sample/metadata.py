@@ -7,6 +7,7 @@ batch of plain temperature requests carries nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,18 +40,27 @@ class RowLogitControls:
     bad_words: list[np.ndarray] | None = None  # each an int64 token-id sequence
 
     @classmethod
-    def from_params(cls, params: SamplingParams, device: torch.device | str) -> RowLogitControls | None:
-        """None when the request sets none of them."""
+    def from_params(
+        cls,
+        params: SamplingParams,
+        device: torch.device | str = "cpu",
+        to_device: Callable[[np.ndarray], torch.Tensor] | None = None,
+    ) -> RowLogitControls | None:
+        """None when the request sets none of them. ``to_device`` copies a host array to the device
+        (default: a plain copy to ``device``)."""
         if not params.uses_logit_controls:
             return None
+        if to_device is None:
+
+            def to_device(array: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(array).to(device)
+
         controls = cls()
         if params.logit_bias:
-            controls.bias_token_ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=device)
-            values = list(params.logit_bias.values())
-            controls.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+            controls.bias_token_ids = to_device(np.fromiter(params.logit_bias, np.int64))
+            controls.bias_values = to_device(np.fromiter(params.logit_bias.values(), np.float32))
         if params.allowed_token_ids:
-            ids = sorted(set(params.allowed_token_ids))
-            controls.allowed_token_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+            controls.allowed_token_ids = to_device(np.unique(np.array(params.allowed_token_ids, np.int64)))
         if params.bad_words_token_ids:
             controls.bad_words = [np.array(w, dtype=np.int64) for w in params.bad_words_token_ids]
         return controls

@@ -1,11 +1,11 @@
 """Batched sampling with vLLM's semantics, over a SamplingMetadata: one vectorized pass over the batch.
 
 Order (vLLM's): the logit controls (allowed_token_ids, bad_words, logit_bias), min_tokens masking, then
-the repetition / frequency / presence penalties, then greedy
-rows take the argmax; the others divide by their temperature, drop tokens below min_p, keep their
-top-k and then their top-p, and take argmax(logits / T + g) with Gumbel noise g (the Gumbel-max trick:
-a draw from the filtered softmax). Each step is skipped when no row of the batch uses it: a batch of
-plain temperature (or greedy) rows runs the one-pass path only.
+the repetition / frequency / presence penalties, then greedy rows take the argmax; the others divide by
+their temperature, drop tokens below min_p, keep their top-k and then their top-p, and take
+argmax(logits / T + g) with Gumbel noise g (the Gumbel-max trick: a draw from the filtered softmax).
+Each step is skipped when no row of the batch uses it: a batch of plain temperature (or greedy) rows
+runs the one-pass path only.
 
 The noise comes from a counter-based generator keyed by (the row's seed, the number of tokens it has
 generated): no state to keep or free, and a request draws the same tokens whether it runs alone or in

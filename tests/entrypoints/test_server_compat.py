@@ -259,6 +259,13 @@ def test_continue_final_message_and_add_generation_prompt(http, tokenizer):
     assert error["param"] == "continue_final_message"
 
 
+def test_the_engines_chat_template_is_the_servers(tiny_qwen3):
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    with serve(tiny_qwen3, engine_kwargs={"chat_template": template}) as (url, server):
+        body = httpx.post(url + "/tokenize", json={"messages": HI}, timeout=30).json()
+        assert body["tokens"] == server.tokenizer.encode("<Capital of France?>", add_special_tokens=False)
+
+
 # -- generation defaults -------------------------------------------------------------------------------------
 
 
@@ -309,7 +316,6 @@ def test_startup_lines_describe_the_model(running):
         "context length 256 tokens",
         "KV cache 128 blocks of 16 tokens (2048 tokens)",
         "served model names: tiny, org/tiny-instruct",
-        "default sampling parameters:",
     ):
         assert expected in text, (expected, text)
 

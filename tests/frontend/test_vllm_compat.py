@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.entrypoints.cli_generate import chat_prompt_ids
 from nanoinfer.models.default_model import default_model_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -176,6 +177,9 @@ def test_the_engines_chat_template_option(tiny_qwen3):
     template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
     with LLM(tiny_qwen3, device="cpu", num_kvcache_blocks=16, chat_template=template) as llm:
         assert llm.chat(QUESTION, GREEDY, use_tqdm=False)[0].prompt == "What is the capital of France?|"
+        # The CLI's generate and chat render with the engine's tokenizer, so they use it too.
+        expected = llm.get_tokenizer().encode("What is the capital of France?|", add_special_tokens=False)
+        assert chat_prompt_ids(llm, QUESTION) == expected
 
 
 # -- generate's vLLM arguments, metrics, threads -------------------------------------------------------------
