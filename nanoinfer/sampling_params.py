@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from nanoinfer.structured.params import StructuredOutputsParams
 
@@ -23,6 +25,8 @@ REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 MAX_TOP_K = (1 << 31) - 1
 # Completions per request offline (the server's own default limit is lower, see entrypoints/server.py).
 MAX_N = 1024
+# logit_bias values allowed (OpenAI's range): +-100 already makes a token certain or impossible.
+LOGIT_BIAS_RANGE = 100.0
 _MASK64 = (1 << 64) - 1
 
 
@@ -118,6 +122,16 @@ class SamplingParams:
     # The output must follow a JSON schema, regex, choice list or grammar (see StructuredOutputsParams).
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Token id -> a bias added to its logit before any penalty or filter (vLLM's and OpenAI's
+    # logit_bias). Ids are checked against the vocabulary when the request is added.
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (None: all).
+    allowed_token_ids: list[int] | None = None
+    # Words the completion may not contain: each is banned as a token sequence (with and without a
+    # leading space), by masking its last token whenever the generated tokens end with the rest of it.
+    bad_words: list[str] | None = None
+    # bad_words as token-id sequences, set by update_from_tokenizer (the engine calls it on add).
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -168,6 +182,7 @@ class SamplingParams:
                 "structured_outputs must be None or a StructuredOutputsParams, "
                 f"got {type(self.structured_outputs).__name__}"
             )
+        self._check_logit_controls()
         # Read by the sampler for every row of every step: requests that only set a temperature
         # take the short path.
         self._temperature_only = not (
@@ -178,6 +193,7 @@ class SamplingParams:
             or self.seed is not None
             or self.logprobs is not None
             or self.min_tokens > 0
+            or self.uses_logit_controls
         )
 
     def _check_stops(self) -> None:
@@ -196,6 +212,86 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be None or a list of integers >= 0, got {ids!r}")
         self.stop_token_ids = list(ids)
 
+    def _check_logit_controls(self) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be None or a dict of token id -> bias, got {bias!r}")
+            for token_id, value in bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+                if not _is_number(value) or not math.isfinite(value) or abs(value) > LOGIT_BIAS_RANGE:
+                    bound = f"{LOGIT_BIAS_RANGE:g}"
+                    raise ValueError(
+                        f"logit_bias values must be numbers in [-{bound}, {bound}], got {value!r} for token "
+                        f"{token_id}"
+                    )
+            self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if (
+                not isinstance(allowed, list | tuple)
+                or not allowed
+                or not all(_is_int(t) and t >= 0 for t in allowed)
+            ):
+                raise ValueError(
+                    f"allowed_token_ids must be None or a non-empty list of token ids (integers >= 0), "
+                    f"got {allowed!r}"
+                )
+            self.allowed_token_ids = list(allowed)
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str):
+                words = [words]
+            if not isinstance(words, list | tuple) or not all(
+                isinstance(w, str) and w.strip() for w in words
+            ):
+                raise ValueError(
+                    f"bad_words must be None or a list of strings that are not blank, got {words!r}"
+                )
+            self.bad_words = list(words) or None
+        ids = self._bad_words_token_ids
+        if ids is not None and (
+            not isinstance(ids, list)
+            or not all(isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w) for w in ids)
+        ):
+            raise ValueError(f"_bad_words_token_ids must be None or a list of token-id lists, got {ids!r}")
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenizes bad_words (vLLM's method of the same name): each word as it is (leading spaces
+        stripped) and, when that gives other tokens, with one leading space, as the word reads after
+        another one. Raises ValueError when a word gives no tokens."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words or []:
+            bare = word.lstrip()
+            for text in (bare, " " + bare):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if not ids:
+                    raise ValueError(f"bad_words entry {word!r} gives no tokens")
+                if ids not in sequences:
+                    sequences.append(ids)
+        self._bad_words_token_ids = sequences or None
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """bad_words as token-id sequences (after update_from_tokenizer)."""
+        return self._bad_words_token_ids
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's clone): changing the copy's lists or dicts leaves this one as it is."""
+        return copy.deepcopy(self)
+
+    @property
+    def uses_logit_controls(self) -> bool:
+        """logit_bias, allowed_token_ids or bad_words is set."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    @property
+    def needs_output_token_ids(self) -> bool:
+        """Sampling reads the tokens generated so far (penalties count them, bad_words match their tail):
+        the engine core keeps them for such requests."""
+        return self.uses_penalties or bool(self.bad_words)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -210,5 +306,6 @@ class SamplingParams:
 
     @property
     def temperature_only(self) -> bool:
-        """No filter, penalty, seed, logprobs or min_tokens: sampling needs nothing but the temperature."""
+        """No filter, penalty, seed, logprobs, min_tokens or logit control: sampling needs nothing but the
+        temperature."""
         return self._temperature_only

@@ -14,6 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.kv_cache_manager import KVCacheManager
 from nanoinfer.engine.request import EngineRequest
@@ -36,6 +38,9 @@ class EngineCore:
         from nanoinfer.executor.executor import create_executor  # imports the model code
 
         self.config = config
+        if config.cpu_num_threads is not None:
+            # Here rather than in the frontend: the core may run in a process of its own.
+            torch.set_num_threads(config.cpu_num_threads)
         started = time.perf_counter()
         self.executor = create_executor(config)
         self.num_kv_blocks = self.executor.num_kv_blocks

@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 
 def engine_eos_token_ids(config: EngineConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a sequence: the tokenizer's EOS and the model config's ``eos_token_id`` (one id
-    or a list)."""
-    ids: set[int] = set()
+    """The ids that end a sequence: the tokenizer's EOS, and the ``eos_token_id`` (one id or a list) of
+    the model config and of the generation config."""
+    ids: set[int] = set(config.generation_eos_token_ids)  # generation_config.json's
     for value in (tokenizer.eos_token_id, getattr(config.hf_config, "eos_token_id", None)):
         if isinstance(value, int):
             ids.add(value)
@@ -111,8 +111,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Prompt logprobs need the logits of every prompt position: no prefix-cache hits for the prompt.
         self.skip_prefix_cache = params.prompt_logprobs is not None
-        # Penalties read the generated tokens every step: a numpy copy kept up to date.
-        self.output_token_array = _TokenArray() if params.uses_penalties else None
+        # Penalties and bad_words read the generated tokens every step: a numpy copy kept up to date.
+        self.output_token_array = _TokenArray() if params.needs_output_token_ids else None
         self.distinct_prompt_ids = np.unique(self.token_ids) if params.repetition_penalty != 1.0 else None
         banned = self.eos_token_ids | self.stop_token_ids
         self.min_tokens_banned_ids = sorted(banned) if params.min_tokens else []

@@ -11,7 +11,7 @@ import typing
 from typing import Any
 
 from nanoinfer import config
-from nanoinfer.config import EngineConfig
+from nanoinfer.config import GENERATION_CONFIG_MODES, EngineConfig
 
 _SKIP = {"model"}
 
@@ -33,9 +33,19 @@ ENGINE_OPTION_HELP = {
     "cpu_kvcache_space_bytes": "KV cache budget in bytes when running on the CPU",
     "attention_backend": "attention kernels; auto is triton on CUDA, torch (pure PyTorch) on CPU",
     "seed": "seed of the engine's random sampling; the same seed repeats a run's sampled answers",
-    "cpu_num_threads": "threads each CPU process uses (default: torch's, every core)",
+    "cpu_num_threads": "CPU threads of the engine process (default: torch's, every core)",
     "async_scheduling": "schedule and prepare step n+1 while the device runs step n (default: on for CUDA)",
     "kv_cache_dtype": "K/V storage: auto (the model's dtype), or fp8 / fp8_e4m3 (half the bytes)",
+    "chat_template": "a Jinja chat template (a file, or the template text) instead of the tokenizer's",
+    "generation_config": "default sampling parameters: 'auto' reads the model's generation_config.json "
+    "(nanoinfer's own for the bundled default model), 'vllm' uses none, DIR reads DIR/generation_config.json",
+    "override_generation_config": "a JSON object merged over the default sampling parameters, with "
+    "generation_config.json's names, e.g. '{\"temperature\": 0.5}'",
+    "trust_remote_code": "accepted for vLLM compatibility: the built-in architectures run no remote code",
+    "tokenizer_mode": "auto (vLLM's hf) only: the checkpoint's fast tokenizer, or a GGUF file's own",
+    "quantization": "none, or gguf for a .gguf model (dequantized at load); other methods are rejected",
+    "swap_space": "accepted for vLLM compatibility (GiB): preempted sequences are recomputed, never swapped",
+    "disable_log_stats": "no periodic throughput / KV cache usage log lines",
 }
 
 # Extra option strings, vLLM's names for the same options.
@@ -55,8 +65,6 @@ ENGINE_OPTION_CHOICES = {
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
 _OPTION_METAVARS = {"tokenizer": "PATH"}
 
-GENERATION_CONFIG_MODES = ("auto", "vllm")
-
 
 def _generation_config(text: str) -> str:
     if text in GENERATION_CONFIG_MODES or os.path.isdir(text):
@@ -67,29 +75,41 @@ def _generation_config(text: str) -> str:
     )
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object flag value (e.g. --override-generation-config '{"temperature": 0.5}')."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _help(name: str) -> str:
+    default = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+    return ENGINE_OPTION_HELP[name] + ("" if default is None else f" (default: {default})")
+
+
 def _add_vllm_options(group: argparse._ArgumentGroup) -> None:
     """vLLM's flags for options that live outside EngineConfig's numeric knobs; each maps to the engine
     keyword of the same name."""
     group.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="PATH_OR_TEMPLATE",
-        help="a Jinja chat template (a file, or the template text) instead of the tokenizer's",
+        "--chat-template", default=None, metavar="PATH_OR_TEMPLATE", help=_help("chat_template")
     )
     group.add_argument(
         "--trust-remote-code",
         action="store_const",
         const=True,
         default=None,
-        help="accepted for vLLM compatibility: the built-in architectures run no remote code",
+        help=_help("trust_remote_code"),
     )
     group.add_argument(
         "--generation-config",
         type=_generation_config,
         default=None,
         metavar="{auto,vllm,DIR}",
-        help="default sampling parameters: 'auto' reads the model's generation_config.json, 'vllm' "
-        "uses none, DIR reads DIR/generation_config.json",
+        help=_help("generation_config"),
     )
 
 
@@ -134,7 +154,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             metavar = _OPTION_METAVARS.get(f.name, _METAVARS[base])
             group.add_argument(*flags, type=base, default=None, metavar=metavar, help=help_text)
         else:  # structured options (dicts, lists) are given as JSON, as vLLM's are
-            group.add_argument(*flags, type=json.loads, default=None, metavar="JSON", help=help_text)
+            parse = _json_object if typing.get_origin(base) is dict else json.loads
+            group.add_argument(*flags, type=parse, default=None, metavar="JSON", help=help_text)
     _add_vllm_options(group)
 
 

@@ -3,6 +3,8 @@
 Requests are parsed strictly (no "1" for 1, no unknown fields) so that a typo never silently changes
 what is generated. Sampling fields map onto SamplingParams through SAMPLING_FIELDS: passed through
 where SamplingParams implements them, accepted only at their neutral value where it does not (yet).
+Fields that change nothing here (``user``, ``store``, ``metadata``, ``parallel_tool_calls``...) are
+accepted with any value of their type.
 """
 
 from __future__ import annotations
@@ -66,9 +68,24 @@ def _as_list(value: str | list[str]) -> list[str]:
     return [value] if isinstance(value, str) else value
 
 
-# Request field -> how it maps onto the engine. Fields that exist only on one endpoint (echo, suffix,
-# best_of for completions; tools for chat) are checked only where they exist. logprobs is not here: its
-# meaning differs between the endpoints (see each request's engine_logprobs).
+def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias has token ids as JSON object keys (strings)."""
+    converted = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise APIError(
+                f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}",
+                param="logit_bias",
+            )
+        converted[int(key)] = value
+    return converted
+
+
+# Request field -> how it maps onto the engine. Fields that exist only on one endpoint (suffix, best_of
+# for completions; tools for chat) are checked only where they exist. logprobs is not here: its meaning
+# differs between the endpoints (see each request's engine_logprobs); nor is echo, which the server
+# implements itself. Rows with no sampling_param are OpenAI (or vLLM) features that would change the
+# result and that nanoinfer does not have: only their neutral values are accepted.
 SAMPLING_FIELDS: dict[str, SamplingField] = {
     "n": SamplingField((None, 1), "n"),
     "top_p": SamplingField((None, 1.0), "top_p"),
@@ -81,16 +98,28 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {
     "stop": SamplingField((None, []), "stop", _as_list),
     "stop_token_ids": SamplingField((None, []), "stop_token_ids"),
     "min_tokens": SamplingField((None, 0), "min_tokens"),
-    "logit_bias": SamplingField((None, {}), "logit_bias"),
+    "logit_bias": SamplingField((None, {}), "logit_bias", _token_id_keys),
+    "allowed_token_ids": SamplingField((None,), "allowed_token_ids"),
+    "bad_words": SamplingField((None, []), "bad_words"),
     "skip_special_tokens": SamplingField((None, True), "skip_special_tokens"),
     "spaces_between_special_tokens": SamplingField((None, True), "spaces_between_special_tokens"),
     "include_stop_str_in_output": SamplingField((None, False), "include_stop_str_in_output"),
-    "echo": SamplingField((None, False), None),
     "suffix": SamplingField((None,), None),
     "best_of": SamplingField((None, 1), None),
     "response_format": SamplingField((None, {"type": "text"}), None),
     "tools": SamplingField((None, []), None),
     "tool_choice": SamplingField((None, "none"), None),
+    "functions": SamplingField((None, []), None),
+    "function_call": SamplingField((None, "none"), None),
+    "service_tier": SamplingField((None, "auto", "default"), None),
+    "modalities": SamplingField((None, ["text"]), None),
+    "audio": SamplingField((None,), None),
+    "reasoning_effort": SamplingField((None,), None),
+    "web_search_options": SamplingField((None,), None),
+    "priority": SamplingField((None, 0), None),
+    "truncate_prompt_tokens": SamplingField((None,), None),
+    "use_beam_search": SamplingField((None, False), None),
+    "length_penalty": SamplingField((None, 1.0), None),
 }
 
 
@@ -125,7 +154,20 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    user: str | None = None  # an end-user id for the caller's own tracking; unused
+    # Accepted with any value: they change nothing that is generated here. An end-user id and a safety
+    # id for the caller's own tracking; OpenAI's storing of completions and its metadata for them
+    # (nothing is stored); a prompt-caching hint (the prefix cache needs none).
+    user: str | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    # OpenAI's and vLLM's features nanoinfer does not have: neutral values only (see SAMPLING_FIELDS).
+    service_tier: str | None = None
+    priority: int | None = None
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
 
     n: int | None = None
     top_p: float | None = None
@@ -139,6 +181,8 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -172,13 +216,11 @@ class _GenerationRequest(BaseModel):
                 code="unsupported_parameter",
             )
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams for this request; ``max_tokens`` is already resolved."""
-        kwargs: dict[str, Any] = {
-            "max_tokens": max_tokens,
-            "ignore_eos": self.ignore_eos,
-            "logprobs": self.engine_logprobs(),
-        }
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's SamplingParams for this request; ``max_tokens`` is already resolved. Fields the
+        request leaves out take ``defaults`` (the model's generation config: SamplingParams keywords)."""
+        kwargs: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        kwargs.update(max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=self.engine_logprobs())
         if self.temperature is not None:
             kwargs["temperature"] = self.temperature
         engine_fields = _engine_sampling_fields()
@@ -198,7 +240,7 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     # One prompt (text or token ids) or a batch of them; each gets its own choice.
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt before the completion, in text and logprobs (vLLM's meaning)
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None  # top logprobs per token; 0: only the sampled token's
@@ -216,23 +258,41 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)
 
 
-class TextContentPart(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content. Only text parts are supported; the others (image_url,
+    input_audio, file...) parse, so that check_supported can name their type in a clear error."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    def check_text_only(self, index: int) -> None:
+        for i, part in enumerate(self.content if isinstance(self.content, list) else []):
+            if part.type != "text":
+                raise APIError(
+                    f"this model takes text only: content parts of type {part.type} are not supported "
+                    f"(messages[{index}].content[{i}])",
+                    param="messages",
+                    code="unsupported_content_type",
+                )
+            if part.text is None or set(part.model_extra or ()):
+                raise APIError(
+                    f"messages[{index}].content[{i}]: a text part has exactly the fields type and text",
+                    param="messages",
+                )
 
     def template_input(self) -> dict[str, str]:
         """The message as chat templates expect it: content is one string."""
         content = self.content
         if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
+            content = "\n".join(part.text or "" for part in content)
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
@@ -246,10 +306,33 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # needs logprobs=true
+    # vLLM's: the prompt ends with the assistant's turn opened, or continues the final message.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # Whether several tool calls may come at once: moot while tools are not supported.
+    parallel_tool_calls: bool | None = None
+    # Predicted outputs only speed up generating text close to the prediction; the text is the same.
+    prediction: dict[str, Any] | None = None
 
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        for i, message in enumerate(self.messages):
+            message.check_text_only(i)
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+        super().check_supported()
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -265,14 +348,63 @@ class ChatCompletionRequest(_GenerationRequest):
         return top or 0
 
 
-def parse_request(model_cls: type[_GenerationRequest], body: bytes) -> _GenerationRequest:
-    """Parses a JSON body into ``model_cls``; any problem becomes a 400 APIError naming the field."""
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's POST /tokenize with a prompt."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's POST /tokenize with messages: the prompt the chat template renders from them."""
+
+    model_config = _STRICT
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_supported(self) -> None:
+        for i, message in enumerate(self.messages):
+            message.check_text_only(i)
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize."""
+
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(model_cls: type[BaseModel], body: bytes) -> BaseModel:
+    """Parses a JSON body into ``model_cls`` (then runs its check_supported, if it has one); any
+    problem becomes a 400 APIError naming the field."""
     try:
         request = model_cls.model_validate_json(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    request.check_supported()
+    check = getattr(request, "check_supported", None)
+    if check is not None:
+        check()
     return request
+
+
+def parse_request(model_cls: type[_GenerationRequest], body: bytes) -> _GenerationRequest:
+    """:func:`parse_body` for the generation endpoints."""
+    return parse_body(model_cls, body)
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -326,19 +458,28 @@ def chat_chunk_choice(
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-# decode(token_id, logprob) -> the token's text, as shown in logprobs.
-TokenDecoder = Callable[[int, Logprob], str]
+# decode(token_id, logprob) -> the token's text, as shown in logprobs (logprob None: decode the id).
+TokenDecoder = Callable[[int, Logprob | None], str]
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[PositionLogprobs], decode: TokenDecoder, text_offset: int
+    token_ids: list[int], logprobs: list[PositionLogprobs | None], decode: TokenDecoder, text_offset: int
 ) -> dict[str, list]:
     """The legacy /v1/completions logprobs object; ``text_offset`` is where the first token starts.
 
-    top_logprobs maps each token's text to its logprob, for the top tokens plus the sampled one.
+    top_logprobs maps each token's text to its logprob, for the top tokens plus the sampled one. A None
+    position (the first prompt token, echoed) has None for both.
     """
     body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, position in zip(token_ids, logprobs, strict=True):
+        if position is None:  # the first prompt token (echo): nothing comes before it
+            token = decode(token_id, None)
+            body["tokens"].append(token)
+            body["token_logprobs"].append(None)
+            body["top_logprobs"].append(None)
+            body["text_offset"].append(text_offset)
+            text_offset += len(token)
+            continue
         token = decode(token_id, position[token_id])
         body["tokens"].append(token)
         body["token_logprobs"].append(position[token_id].logprob)
@@ -385,6 +526,17 @@ def response_body(
         "model": model,
         "choices": choices,
         "usage": usage_stats,
+    }
+
+
+def tokenize_response(
+    token_ids: list[int], max_model_len: int, token_strs: list[str] | None = None
+) -> dict[str, Any]:
+    return {
+        "count": len(token_ids),
+        "max_model_len": max_model_len,
+        "tokens": token_ids,
+        "token_strs": token_strs,
     }
 
 

@@ -1,9 +1,14 @@
 """An OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of AsyncLLM.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming over server-sent events or
-not), GET /v1/models, GET /health, GET /metrics (Prometheus). Prompts are rendered and tokenized here, on
+not), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus), and vLLM's POST
+/tokenize, POST /detokenize, GET /version, GET|POST /ping. Prompts are rendered and tokenized here, on
 a worker thread of their own (never on the event loop), so that the engine thread only runs the model and
 no request stalls the others. What one request may cost is bounded by :class:`ServerLimits`.
+
+Fields a request leaves out take the model's default sampling parameters (``generation_config``). While
+requests run, a log line every STATS_LOG_INTERVAL_S gives the throughput and the KV cache usage (vLLM's),
+unless ``disable_log_stats``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import contextlib
 import dataclasses
 import hmac
 import inspect
+import json
 import logging
 import signal
 import threading
@@ -30,12 +36,13 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+import nanoinfer
 from nanoinfer.entrypoints import openai_protocol as protocol
 from nanoinfer.entrypoints.http_limits import ServerLimits, header_timeout_protocol
 from nanoinfer.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from nanoinfer.metrics import ServingMetrics
-from nanoinfer.outputs import Logprob, RequestOutput
+from nanoinfer.outputs import Logprob, PositionLogprobs, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # After SIGINT/SIGTERM, responses still streaming this long are cancelled (which aborts their requests).
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+# Seconds between the periodic statistics log lines (vLLM's interval).
+STATS_LOG_INTERVAL_S = 10.0
 
 
 class OpenAIServer:
@@ -56,6 +65,7 @@ class OpenAIServer:
         api_key: str | None = None,
         limits: ServerLimits | None = None,
         tokenizer: Any = None,
+        stats_log_interval_s: float = STATS_LOG_INTERVAL_S,
     ):
         if not served_model_names or not all(isinstance(n, str) and n for n in served_model_names):
             raise ValueError(f"served_model_names must be non-empty strings, got {served_model_names!r}")
@@ -70,11 +80,14 @@ class OpenAIServer:
         self.model_path = config.model
         self.max_model_len = config.max_model_len
         self.max_prompt_chars = self.limits.prompt_chars(config.max_model_len)
+        self.vocab_size = config.hf_config.vocab_size
+        # SamplingParams keywords for the fields a request leaves out.
+        self.generation_defaults = dict(config.generation_defaults)
         if tokenizer is None:
             from nanoinfer.models.checkpoint import load_tokenizer
 
             # A tokenizer of our own: the engine thread uses the engine's concurrently.
-            tokenizer = load_tokenizer(config.model, config.tokenizer)
+            tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template_text)
         self.tokenizer = tokenizer
         # Arguments of apply_chat_template itself: chat_template_kwargs are template variables only.
         self._reserved_template_kwargs = set(inspect.signature(tokenizer.apply_chat_template).parameters)
@@ -83,12 +96,42 @@ class OpenAIServer:
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "nanoinfer-tokenizer")
         self.metrics = ServingMetrics(self.served_model_names[0])
         async_llm.stats_listener = self.metrics
+        self.stats_log = (
+            None if config.disable_log_stats else PeriodicStatsLog(async_llm, stats_log_interval_s)
+        )
         self.app = self._build_app()
+
+    def startup_lines(self) -> list[str]:
+        """What the server logs when it starts: the model and how it runs (the engine itself logs the
+        default sampling parameters)."""
+        config = self.async_llm.config
+        stats = self.async_llm.stats(timeout=30)
+        blocks = stats.get("num_kv_blocks_total", 0)
+        block_size = config.kvcache_block_size
+        architectures = getattr(config.hf_config, "architectures", None) or ["?"]
+        dtype = str(config.torch_dtype).removeprefix("torch.")
+        return [
+            f"model {config.model} ({architectures[0]}), dtype {dtype}, device {config.device}, "
+            f"tensor parallel size {config.tensor_parallel_size}",
+            f"context length {config.max_model_len} tokens; KV cache {blocks} blocks of {block_size} tokens "
+            f"({blocks * block_size} tokens)",
+            f"served model names: {', '.join(self.served_model_names)}",
+        ]
 
     # -- app ------------------------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="nanoinfer", docs_url=None, redoc_url=None, openapi_url=None)
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI):
+            task = asyncio.ensure_future(self.stats_log.run()) if self.stats_log is not None else None
+            try:
+                yield
+            finally:
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+
+        app = FastAPI(title="nanoinfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
         if self.limits.allowed_hosts is not None:
             app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(self.limits.allowed_hosts))
 
@@ -123,6 +166,14 @@ class OpenAIServer:
             self.metrics.update_engine_stats(await self.async_llm.get_stats())
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+        @app.api_route("/ping", methods=["GET", "POST"])
+        async def ping() -> Response:
+            return await health()
+
+        @app.get("/version")
+        async def version() -> JSONResponse:
+            return JSONResponse({"version": nanoinfer.__version__})
+
         @app.get("/v1/models")
         async def models(request: Request) -> JSONResponse:
             self._authorize(request)
@@ -130,6 +181,34 @@ class OpenAIServer:
                 protocol.model_card(n, self.model_path, self.max_model_len) for n in self.served_model_names
             ]
             return JSONResponse({"object": "list", "data": cards})
+
+        # The openai client's models.retrieve; served names may hold slashes ("org/name", a path).
+        @app.get("/v1/models/{model_id:path}")
+        async def model(request: Request, model_id: str) -> JSONResponse:
+            self._authorize(request)
+            name = self._model_name(model_id)
+            return JSONResponse(protocol.model_card(name, self.model_path, self.max_model_len))
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> JSONResponse:
+            self._authorize(request)
+            body = await self._read_body(request)
+            chat = _has_key(body, "messages")
+            model_cls = protocol.TokenizeChatRequest if chat else protocol.TokenizeCompletionRequest
+            parsed = protocol.parse_body(model_cls, body)
+            self._model_name(parsed.model)
+            return JSONResponse(await self._on_tokenizer_thread(self._tokenize, parsed))
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request) -> JSONResponse:
+            self._authorize(request)
+            parsed = protocol.parse_body(protocol.DetokenizeRequest, await self._read_body(request))
+            self._model_name(parsed.model)
+            bad = [t for t in parsed.tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(f"tokens must be in [0, {self.vocab_size}); got {bad[:5]}", param="tokens")
+            text = await self._on_tokenizer_thread(self.tokenizer.decode, parsed.tokens)
+            return JSONResponse({"prompt": text})
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -230,8 +309,11 @@ class OpenAIServer:
                 f"most {limits.max_sequences_per_request} are allowed per request",
                 param="n" if num_prompts == 1 else "prompt",
             )
-        kwargs = getattr(request, "chat_template_kwargs", None) or {}
-        if "chat_template" in kwargs and not limits.trust_request_chat_template:
+        self._check_template_kwargs(getattr(request, "chat_template_kwargs", None))
+
+    def _check_template_kwargs(self, kwargs: dict | None) -> None:
+        kwargs = kwargs or {}
+        if "chat_template" in kwargs and not self.limits.trust_request_chat_template:
             raise APIError(
                 "chat_template_kwargs.chat_template is not allowed: this server does not run templates sent "
                 "by clients (start it with --trust-request-chat-template to allow them)",
@@ -253,23 +335,44 @@ class OpenAIServer:
                 code="context_length_exceeded",
             )
 
+    def _render_chat(
+        self, request: ChatCompletionRequest | protocol.TokenizeChatRequest, tools: list | None = None
+    ) -> str:
+        """The prompt text the chat template makes of the request's messages. Runs on the tokenizer
+        thread."""
+        messages = [m.template_input() for m in request.messages]
+        self._check_prompt_chars("".join(m["content"] for m in messages), "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # a template error, or chat_template_kwargs it cannot take
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+        self._check_prompt_chars(text, "messages")
+        return text
+
+    def _tokenize(self, request: protocol.TokenizeCompletionRequest | protocol.TokenizeChatRequest) -> dict:
+        """vLLM's /tokenize answer. Runs on the tokenizer thread."""
+        if isinstance(request, protocol.TokenizeChatRequest):
+            self._check_template_kwargs(request.chat_template_kwargs)
+            text = self._render_chat(request, request.tools)
+        else:
+            text = request.prompt
+            self._check_prompt_chars(text, "prompt")
+        ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        token_strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return protocol.tokenize_response(ids, self.max_model_len, token_strs)
+
     def _prompt_token_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         """Renders (chat) and tokenizes the request's prompts. Runs on the tokenizer thread."""
         if isinstance(request, ChatCompletionRequest):
-            messages = [m.template_input() for m in request.messages]
-            self._check_prompt_chars("".join(m["content"] for m in messages), "messages")
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    tokenize=False,
-                    add_generation_prompt=True,
-                    **(request.chat_template_kwargs or {}),
-                )
-            except Exception as e:  # a template error, or chat_template_kwargs it cannot take
-                raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
-            self._check_prompt_chars(text, "messages")
             # The template already contains every special token the model expects.
-            return [self.tokenizer.encode(text, add_special_tokens=False)]
+            return [self.tokenizer.encode(self._render_chat(request), add_special_tokens=False)]
         prompts = request.prompts()
         for p in prompts:
             if isinstance(p, str):
@@ -293,6 +396,8 @@ class OpenAIServer:
                 code="context_length_exceeded",
             )
         max_tokens = request.requested_max_tokens()
+        if max_tokens is None and "max_tokens" in self.generation_defaults:
+            max_tokens = min(self.generation_defaults["max_tokens"], limit - num_prompt_tokens)
         if max_tokens is None:
             max_tokens = (
                 DEFAULT_COMPLETION_MAX_TOKENS if prompt_field == "prompt" else limit - num_prompt_tokens
@@ -306,12 +411,24 @@ class OpenAIServer:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        return request.sampling_params(max_tokens)
+        params = request.sampling_params(max_tokens, self.generation_defaults)
+        if isinstance(request, CompletionRequest) and request.echo and params.logprobs is not None:
+            # Echoed logprobs cover the prompt too.
+            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+        return params
 
-    def _decode_token(self, token_id: int, logprob: Logprob) -> str:
-        if logprob.decoded_token is not None:
+    def _decode_token(self, token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
+
+    def _echo_texts(self, request: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """The prompts as echo returns them: the text sent, or the token ids decoded. Runs on the
+        tokenizer thread."""
+        return [
+            p if isinstance(p, str) else self.tokenizer.decode(ids)
+            for p, ids in zip(request.prompts(), prompts, strict=True)
+        ]
 
     # -- generation -------------------------------------------------------------------------------------
 
@@ -324,6 +441,9 @@ class OpenAIServer:
             raise APIError(f"the engine is not running: {self.async_llm.error}", status_code=503)
         self._check_limits(request)
         prompts = await self._on_tokenizer_thread(self._prompt_token_ids, request)
+        echo = None
+        if not chat and request.echo:
+            echo = _Echo(prompts, await self._on_tokenizer_thread(self._echo_texts, request, prompts))
         # A stream consumes each step's new text only; a whole response, the final output only.
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = [
@@ -331,7 +451,9 @@ class OpenAIServer:
         ]
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = await self._add_requests(response_id, prompts, params, request)
-        reply = _Reply(response_id, model, chat, [len(p) for p in prompts], params[0], self._decode_token)
+        reply = _Reply(
+            response_id, model, chat, [len(p) for p in prompts], params[0], self._decode_token, echo
+        )
         if request.stream:
             events = reply.stream_events(streams, request.include_usage_in_stream)
             return _EventStreamResponse(events, streams)
@@ -375,6 +497,14 @@ class OpenAIServer:
         return streams
 
 
+@dataclasses.dataclass
+class _Echo:
+    """/v1/completions' echo: per prompt, its token ids and its text, put before each completion."""
+
+    prompt_token_ids: list[list[int]]
+    texts: list[str]
+
+
 class _Reply:
     """Builds one request's response bodies (whole or streamed) from its engine outputs."""
 
@@ -386,6 +516,7 @@ class _Reply:
         prompt_lengths: list[int],
         params: SamplingParams,
         decode: protocol.TokenDecoder,
+        echo: _Echo | None = None,
     ):
         self.response_id = response_id
         self.model = model
@@ -396,6 +527,7 @@ class _Reply:
         self.num_choices = params.n
         self.num_top_logprobs = params.logprobs
         self.decode = decode
+        self.echo = echo
 
     def _choice_index(self, prompt_index: int, completion_index: int) -> int:
         return prompt_index * self.num_choices + completion_index
@@ -408,6 +540,16 @@ class _Reply:
             return protocol.chat_logprobs(token_ids, logprobs, self.decode, self.num_top_logprobs)
         return protocol.completion_logprobs(token_ids, logprobs, self.decode, text_offset)
 
+    def _with_echo(
+        self, prompt_index: int, output: RequestOutput, text: str, token_ids: list[int], logprobs: list | None
+    ) -> tuple[str, list[int], list[PositionLogprobs | None] | None]:
+        """A choice's text, tokens and logprobs with the prompt's before them (echo)."""
+        prompt_ids = self.echo.prompt_token_ids[prompt_index]
+        prompt_logprobs = output.prompt_logprobs
+        if logprobs is not None and prompt_logprobs is not None:
+            logprobs = list(prompt_logprobs) + list(logprobs)
+        return self.echo.texts[prompt_index] + text, prompt_ids + token_ids, logprobs
+
     def full_response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         choices = []
         num_generated = 0
@@ -415,8 +557,12 @@ class _Reply:
         for prompt_index in sorted(finals):
             for c in finals[prompt_index].outputs:
                 index = self._choice_index(prompt_index, c.index)
-                logprobs = self._logprobs(c.token_ids, c.logprobs, 0)
-                choices.append(build(index, c.text, c.finish_reason, logprobs))
+                text, token_ids, logprobs = c.text, c.token_ids, c.logprobs
+                if self.echo is not None:
+                    text, token_ids, logprobs = self._with_echo(
+                        prompt_index, finals[prompt_index], text, token_ids, logprobs
+                    )
+                choices.append(build(index, text, c.finish_reason, self._logprobs(token_ids, logprobs, 0)))
                 num_generated += len(c.token_ids)
         object_type = "chat.completion" if self.chat else "text_completion"
         usage = protocol.usage(self.num_prompt_tokens, num_generated)
@@ -436,6 +582,7 @@ class _Reply:
         # and (legacy logprobs) the text offset reached.
         unsent: dict[int, tuple[list[int], list]] = {}
         text_offsets: dict[int, int] = {}
+        echoed: set[int] = set()  # choices whose first chunk (with the echoed prompt) went out
         try:
             if self.chat:
                 # OpenAI opens each chat choice with the role before any content.
@@ -454,7 +601,13 @@ class _Reply:
                         num_generated[index] = num_generated.get(index, 0) + len(c.token_ids)
                         token_ids, logprobs = unsent.pop(index, ([], []))
                         token_ids, logprobs = token_ids + c.token_ids, logprobs + (c.logprobs or [])
-                        if not c.text and c.finish_reason is None:
+                        text = c.text
+                        if self.echo is not None and index not in echoed:
+                            echoed.add(index)
+                            text, token_ids, logprobs = self._with_echo(
+                                prompt_index, output, text, token_ids, logprobs
+                            )
+                        if not text and c.finish_reason is None:
                             unsent[index] = (token_ids, logprobs)
                             continue
                         choice_logprobs = self._logprobs(token_ids, logprobs, text_offsets.get(index, 0))
@@ -462,13 +615,13 @@ class _Reply:
                             last = choice_logprobs["text_offset"][-1] + len(choice_logprobs["tokens"][-1])
                             text_offsets[index] = last
                         if self.chat:
-                            delta = {"content": c.text} if c.text else {}
+                            delta = {"content": text} if text else {}
                             choices.append(
                                 protocol.chat_chunk_choice(index, delta, c.finish_reason, choice_logprobs)
                             )
                         else:
                             choices.append(
-                                protocol.completion_choice(index, c.text, c.finish_reason, choice_logprobs)
+                                protocol.completion_choice(index, text, c.finish_reason, choice_logprobs)
                             )
                     if choices:
                         yield self._chunk(choices)
@@ -576,6 +729,72 @@ class _EventStreamResponse(StreamingResponse):
             logger.warning("streaming a response failed: %r", streaming.exception())
 
 
+class PeriodicStatsLog:
+    """vLLM's periodic statistics line, every ``interval_s`` while requests run or tokens moved: prompt
+    and generation throughput over the interval, running and waiting requests, KV cache usage and the
+    prefix cache hit rate. The stats come from AsyncLLM.get_stats() on the event loop."""
+
+    def __init__(self, async_llm: AsyncLLM, interval_s: float = STATS_LOG_INTERVAL_S):
+        if not interval_s > 0:
+            raise ValueError(f"stats_log_interval_s must be > 0, got {interval_s!r}")
+        self.async_llm = async_llm
+        self.interval_s = interval_s
+        self._last: tuple[float, dict[str, int]] | None = None
+
+    def line(self, stats: dict[str, int], now: float) -> str | None:
+        """The line for ``stats`` taken at ``now`` (time.monotonic()), against the previous call's; None
+        while the engine is idle (nothing running or waiting, no tokens since the previous call)."""
+        last, self._last = self._last, (now, dict(stats))
+        if last is None:
+            return None
+        then, before = last
+
+        def moved(key: str) -> int:
+            return stats.get(key, 0) - before.get(key, 0)
+
+        prompt_tokens, generated = moved("num_prompt_tokens_computed"), moved("num_generated_tokens")
+        running, waiting = stats.get("num_running", 0), stats.get("num_waiting", 0)
+        if not (running or waiting or prompt_tokens or generated):
+            return None
+        elapsed = max(now - then, 1e-9)
+        total = stats.get("num_kv_blocks_total", 0)
+        usage = 1.0 - stats.get("num_kv_blocks_free", 0) / total if total else 0.0
+        queried, hits = moved("prefix_cache_queried_tokens"), moved("prefix_cache_hit_tokens")
+        hit_rate = hits / queried if queried > 0 else 0.0
+        return (
+            f"Avg prompt throughput: {prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {generated / elapsed:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: {100 * usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hit_rate:.1f}%"
+        )
+
+    async def log_once(self) -> str | None:
+        line = self.line(await self.async_llm.get_stats(), time.monotonic())
+        if line is not None:
+            logger.info("%s", line)
+        return line
+
+    async def run(self) -> None:
+        """Logs until cancelled (the server's lifespan runs it)."""
+        await self.log_once()  # the baseline
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.log_once()
+            except EngineDeadError:
+                return
+
+
+def _has_key(body: bytes, key: str) -> bool:
+    """Whether the JSON body is an object with ``key`` (False for anything that does not parse: the
+    request model then reports what is wrong)."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and key in value
+
+
 def _client_address(request: Request) -> str:
     client = request.client
     return f"{client.host}:{client.port}" if client else "?"
@@ -603,6 +822,8 @@ def run_server(
     async_llm = AsyncLLM.from_kwargs(model, **engine_kwargs)
     try:
         server = OpenAIServer(async_llm, served_model_names or [model], api_key, limits)
+        for line in server.startup_lines():
+            logger.info("%s", line)
         config = uvicorn.Config(
             server.app,
             host=host,

@@ -16,7 +16,7 @@ import torch
 
 from nanoinfer.engine.scheduler import NewRequestData, SchedulerOutput
 from nanoinfer.executor.pinned import PinnedRing
-from nanoinfer.sample.metadata import SamplingMetadata
+from nanoinfer.sample.metadata import LogitControls, RowLogitControls, SamplingMetadata
 
 
 class StepInputs(NamedTuple):
@@ -82,7 +82,10 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.banned_ids: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self.prompt_ids: list[np.ndarray | None] = [None] * max_num_seqs
-        self.uses_penalties = np.zeros(max_num_seqs, dtype=bool)
+        # logit_bias / allowed_token_ids / bad_words per slot (None: the request sets none), and the
+        # slots that read the generated tokens (penalties, bad_words).
+        self.logit_controls: list[RowLogitControls | None] = [None] * max_num_seqs
+        self.needs_output_ids = np.zeros(max_num_seqs, dtype=bool)
         # The previous step's sampled tokens (on the device) and which request each row was.
         self.previous_sampled: torch.Tensor | None = None
         self.previous_sample_row: dict[str, int] = {}
@@ -109,7 +112,8 @@ class InputBatch:
         self.min_tokens[slot] = min(p.min_tokens, 1 << 62)  # any count past max_model_len is the same
         self.banned_ids[slot] = new.min_tokens_banned_ids
         self.prompt_ids[slot] = new.distinct_prompt_ids
-        self.uses_penalties[slot] = p.uses_penalties
+        self.logit_controls[slot] = RowLogitControls.from_params(p, self.device, self.to_device)
+        self.needs_output_ids[slot] = p.needs_output_token_ids
         self.num_blocks[slot] = 0
         return slot
 
@@ -117,6 +121,7 @@ class InputBatch:
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
             self.prompt_ids[slot] = None
+            self.logit_controls[slot] = None
             self._free_slots.append(slot)
 
     # -- one step --------------------------------------------------------------------------------------
@@ -227,12 +232,12 @@ class InputBatch:
             self.banned_ids[s] if r.num_output_tokens < self.min_tokens[s] else []
             for s, r in zip(slots, rows, strict=True)
         ]
-        uses_penalties = self.uses_penalties[slots]
         pending = None
-        if uses_penalties.any() and pending_tokens is not None:
+        if self.needs_output_ids[slots].any() and pending_tokens is not None:
             is_pending = self.to_device(np.array([r.last_token_pending for r in rows]))
             pending = torch.where(is_pending, pending_tokens, torch.full_like(pending_tokens, -1))
         empty = np.zeros(0, dtype=np.int64)
+        output_ids = [r.output_token_ids if r.output_token_ids is not None else empty for r in rows]
         return SamplingMetadata.from_arrays(
             temperature=self.temperature[device_slots],
             seeds=self.seeds[device_slots],
@@ -243,10 +248,25 @@ class InputBatch:
             presence=self.presence[slots],
             frequency=self.frequency[slots],
             repetition=self.repetition[slots],
-            output_token_ids=[r.output_token_ids if r.output_token_ids is not None else empty for r in rows],
+            output_token_ids=output_ids,
             prompt_token_ids=[self.prompt_ids[s] for s in slots],
             banned_token_ids=banned,
             num_logprobs=self.num_logprobs[slots],
             pending_token_ids=pending,
             greedy=temperature_host == 0.0,
+            logit_controls=self._logit_controls(rows, slots, output_ids, pending),
+        )
+
+    def _logit_controls(
+        self, rows: list, slots: np.ndarray, output_ids: list[np.ndarray], pending: torch.Tensor | None
+    ) -> LogitControls | None:
+        with_controls = [i for i, s in enumerate(slots) if self.logit_controls[s] is not None]
+        if not with_controls:
+            return None
+        return LogitControls(
+            rows=with_controls,
+            per_row=[self.logit_controls[slots[i]] for i in with_controls],
+            output_token_ids=[output_ids[i] for i in with_controls],
+            last_token_pending=[rows[i].last_token_pending and pending is not None for i in with_controls],
+            pending_token_ids=pending,
         )

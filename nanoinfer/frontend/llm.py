@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import count
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from nanoinfer.frontend.input_processor import PromptType
+from nanoinfer.frontend.input_processor import PromptType, render_chat
 from nanoinfer.frontend.llm_engine import LLMEngine
+from nanoinfer.models.checkpoint import load_chat_template
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    """``LLM(model, **engine_options)``; see :class:`nanoinfer.config.EngineConfig` for the options."""
+    """``LLM(model, **engine_options)``; see :class:`nanoinfer.config.EngineConfig` for the options (vLLM's
+    names where vLLM has them; vLLM options with no counterpart here are accepted at values that change
+    nothing, see ``config.VLLM_NEUTRAL_OPTIONS``)."""
 
     def __init__(self, model: str, **kwargs: Any):
         self.llm_engine = LLMEngine.from_kwargs(model, **kwargs)
@@ -38,16 +41,33 @@ class LLM:
     def engine_stats(self) -> dict[str, int]:
         return self.llm_engine.stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` and ``chat`` use when given none: the model's
+        generation_config.json defaults (see the generation_config engine option), else SamplingParams()."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generates completions for all prompts; returns them in input order."""
+        """Generates completions for all prompts; returns them in input order. ``use_tqdm`` may also be
+        a tqdm-like progress bar class. ``lora_request`` and ``priority`` exist for vLLM's signature: there
+        are no LoRA adapters and all requests have the same priority."""
+        _check_lora_request(lora_request)
         prompt_list = _normalize_prompts(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        if priority is not None and (len(priority) != len(prompt_list) or any(p != 0 for p in priority)):
+            raise ValueError(
+                "priority is not supported: requests are scheduled first come, first served; leave it out "
+                "(or pass 0 for every prompt)"
+            )
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
@@ -71,10 +91,13 @@ class LLM:
                 engine.abort_request(request_id)
             raise
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        progress = use_tqdm if callable(use_tqdm) else tqdm
+        bar = progress(
+            total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
+        )
         prefill_tps = decode_tps = 0.0
         while len(finished) < len(request_ids):
             before = engine.stats()
@@ -101,23 +124,48 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation or a list of them and generates."""
+        """Renders one conversation or a list of them with the chat template (``chat_template``, a file
+        or template text, else the engine's: its chat_template option or the tokenizer's) and generates;
+        vLLM's signature. Message content may be a string or a list of text parts; ``tools`` and
+        ``chat_template_kwargs`` go to the template. Each output's ``prompt`` is the rendered text."""
+        _check_lora_request(lora_request)
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs is not supported: this model takes text only")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
+        template = load_chat_template(chat_template) if chat_template is not None else None
         prompts = []
         for conversation in conversations:
-            ids = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+            text, ids = render_chat(
+                self.get_tokenizer(),
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=template,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+                content_format=chat_template_content_format,
             )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _check_lora_request(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError(
+            "lora_request is not supported: nanoinfer has no LoRA adapters; leave it out (or pass None)"
+        )
 
 
 def _normalize_prompts(prompts: Any) -> list[PromptType]:

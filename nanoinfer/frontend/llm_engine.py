@@ -4,6 +4,7 @@ processor detokenizes and builds RequestOutputs."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nanoinfer.config import EngineConfig
@@ -14,11 +15,14 @@ from nanoinfer.models.checkpoint import load_tokenizer
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template_text)
+        logger.info("%s", describe_generation_defaults(config))
         self.engine_core = EngineCore(config)
         self.input_processor = InputProcessor(config, self.tokenizer, self.engine_core.num_kv_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -29,6 +33,10 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling parameters gets (the model's generation config)."""
+        return self.config.default_sampling_params()
 
     def add_request(
         self,
@@ -80,3 +88,12 @@ class LLMEngine:
         if self.engine_core is not None:
             self.engine_core.close()
             self.engine_core = None
+
+
+def describe_generation_defaults(config: EngineConfig) -> str:
+    """One line saying which default sampling parameters are in force, and where they come from."""
+    defaults = config.generation_defaults
+    if not defaults:
+        return f"default sampling parameters: SamplingParams()'s ({config.generation_defaults_source})"
+    shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+    return f"default sampling parameters: {shown} (from {config.generation_defaults_source})"

@@ -16,8 +16,25 @@ from nanoinfer.layers.linear import copy_checked, read_all
 from nanoinfer.models.decoder import SUPPORTED_ARCHITECTURES, DecoderForCausalLM
 
 
-def _is_gguf(path: str) -> bool:
+def is_gguf(path: str) -> bool:
     return path.lower().endswith(".gguf")
+
+
+# A model hub id ("Qwen/Qwen3-0.6B"): what a vLLM user passes where nanoinfer needs a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def missing_path_error(what: str, path: str) -> ValueError:
+    """The error for a model or tokenizer path that does not exist, with how to download a hub id."""
+    message = f"{what} path {path!r} does not exist"
+    if _HUB_ID.fullmatch(path):
+        name = path.rsplit("/", 1)[1]
+        message += (
+            f": nanoinfer loads local checkpoints only (no model hub); download it first, e.g. "
+            f"`hf download {path} --local-dir {name}` (`huggingface-cli download` in older "
+            f"huggingface_hub versions), then pass the directory {name!r} (or a .gguf file)"
+        )
+    return ValueError(message)
 
 
 def _safetensors_files(model_dir: str) -> list[str]:
@@ -32,8 +49,8 @@ def _safetensors_files(model_dir: str) -> list[str]:
 def load_model_config(path: str) -> Any:
     """The transformers config of the checkpoint at ``path``, checked to be a supported model."""
     if not os.path.exists(path):
-        raise ValueError(f"model path {path!r} does not exist")
-    if _is_gguf(path):
+        raise missing_path_error("model", path)
+    if is_gguf(path):
         from nanoinfer.models.gguf import load_gguf_config
 
         cfg = load_gguf_config(path)
@@ -47,6 +64,13 @@ def load_model_config(path: str) -> Any:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(path)
+        quantization = getattr(cfg, "quantization_config", None)
+        if quantization is not None:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ValueError(
+                f"{path!r} is a quantized checkpoint ({method!r} in config.json's quantization_config); "
+                "nanoinfer runs unquantized safetensors checkpoints and GGUF files"
+            )
     archs = getattr(cfg, "architectures", None) or []
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -56,19 +80,67 @@ def load_model_config(path: str) -> Any:
     return cfg
 
 
-def load_tokenizer(model: str, tokenizer: str | None = None):
-    if tokenizer is None and _is_gguf(model):
+def load_tokenizer(model: str, tokenizer: str | None = None, chat_template: str | None = None):
+    """The tokenizer of ``model`` (or the one at ``tokenizer``); ``chat_template`` (template text)
+    replaces its chat template."""
+    if tokenizer is None and is_gguf(model):
         from nanoinfer.models.gguf import load_gguf_tokenizer
 
-        return load_gguf_tokenizer(model)
-    from transformers import AutoTokenizer
+        loaded = load_gguf_tokenizer(model)
+    else:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tokenizer or model)
+        path = tokenizer or model
+        if not os.path.exists(path):
+            raise missing_path_error("tokenizer", path)
+        loaded = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if chat_template is not None:
+        loaded.chat_template = chat_template
+    return loaded
+
+
+def load_chat_template(template: str) -> str:
+    """A chat template given as a file path or as the Jinja text itself (vLLM's --chat-template)."""
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in template or "{%" in template:
+        return template
+    raise ValueError(
+        f"chat_template {template!r} is neither an existing file nor a Jinja template (no '{{{{' or '{{%')"
+    )
+
+
+def load_generation_config(path: str, explicit: bool = False) -> tuple[dict[str, Any], str]:
+    """The fields of ``path``'s generation_config.json (a model directory, or the directory given as
+    generation_config) and where they come from. A GGUF file has none: the bundled default model gets
+    nanoinfer's defaults for it. ``explicit``: the directory was named by the user, so it must hold
+    one."""
+    from nanoinfer.models.default_model import builtin_generation_config
+
+    if is_gguf(path):
+        builtin = builtin_generation_config(path)
+        if builtin is not None:
+            return builtin, f"nanoinfer's defaults for {os.path.basename(path)}"
+        return {}, "none (the GGUF file has no generation_config.json)"
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        if explicit:
+            raise ValueError(f"generation_config directory {path!r} has no generation_config.json")
+        return {}, f"none (no generation_config.json in {path!r})"
+    try:
+        with open(file, encoding="utf-8") as f:
+            fields = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {file!r}: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{file!r} must hold a JSON object")
+    return fields, file
 
 
 def iter_checkpoint_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
     """(Hugging Face parameter name, tensor or lazy safetensors slice) pairs, one file at a time."""
-    if _is_gguf(path):
+    if is_gguf(path):
         from nanoinfer.models.gguf import load_gguf_weights
 
         yield from load_gguf_weights(path, dtype)

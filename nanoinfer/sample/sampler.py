@@ -1,10 +1,11 @@
 """Batched sampling with vLLM's semantics, over a SamplingMetadata: one vectorized pass over the batch.
 
-Order (vLLM's): min_tokens masking, then the repetition / frequency / presence penalties, then greedy
-rows take the argmax; the others divide by their temperature, drop tokens below min_p, keep their
-top-k and then their top-p, and take argmax(logits / T + g) with Gumbel noise g (the Gumbel-max trick:
-a draw from the filtered softmax). Each step is skipped when no row of the batch uses it: a batch of
-plain temperature (or greedy) rows runs the one-pass path only.
+Order (vLLM's): the logit controls (allowed_token_ids, bad_words, logit_bias), min_tokens masking, then
+the repetition / frequency / presence penalties, then greedy rows take the argmax; the others divide by
+their temperature, drop tokens below min_p, keep their top-k and then their top-p, and take
+argmax(logits / T + g) with Gumbel noise g (the Gumbel-max trick: a draw from the filtered softmax).
+Each step is skipped when no row of the batch uses it: a batch of plain temperature (or greedy) rows
+runs the one-pass path only.
 
 The noise comes from a counter-based generator keyed by (the row's seed, the number of tokens it has
 generated): no state to keep or free, and a request draws the same tokens whether it runs alone or in
@@ -21,7 +22,7 @@ import torch
 
 from nanoinfer.kernels import sampling_ref
 from nanoinfer.sample.logprobs import LogprobsTensors, TokenLogprobs, gather_logprobs
-from nanoinfer.sample.metadata import PenaltyInputs, SamplingMetadata
+from nanoinfer.sample.metadata import LogitControls, PenaltyInputs, SamplingMetadata
 
 # Candidates for the top-p cut of rows without top-k: it almost always falls among the most likely
 # few thousand tokens, and finding those is several times cheaper than sorting a 150k vocabulary.
@@ -70,6 +71,7 @@ class Sampler:
             and metadata.penalties is None
             and metadata.banned is None
             and metadata.num_logprobs is None
+            and metadata.logit_controls is None
         ):
             return SamplerOutput(sample_greedy_or_gumbel(logits, metadata))
         return self._sample_full(logits, metadata)
@@ -116,6 +118,8 @@ class Sampler:
             logprob_rows = np.flatnonzero(metadata.num_logprobs >= 0).tolist()
             raw = logits if len(logprob_rows) == metadata.num_rows else logits[logprob_rows]
             raw_logprobs = raw.log_softmax(dim=-1)
+        if metadata.logit_controls is not None:
+            apply_logit_controls(logits, metadata.logit_controls)
         if metadata.banned is not None:
             row_index = torch.tensor([i for i, ids in metadata.banned for _ in ids], device=device)
             token_index = torch.tensor([t for _, ids in metadata.banned for t in ids], device=device)
@@ -258,6 +262,81 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyInputs) -> None:
         logits -= torch.from_numpy(penalties.frequency).to(device).unsqueeze(1) * counts
     if (penalties.presence != 0.0).any():
         logits -= torch.from_numpy(penalties.presence).to(device).unsqueeze(1) * present
+
+
+def apply_logit_controls(logits: torch.Tensor, controls: LogitControls) -> None:
+    """vLLM's per-request logit processors, in place, on the listed rows only: allowed_token_ids (every
+    other token to -inf), bad_words (a word's last token to -inf where the generated tokens end with
+    the rest of it) and logit_bias (added). A handful of tensor operations for the whole batch; the
+    Python work is per row and per bad word, never per vocabulary entry."""
+    device = logits.device
+    vocab = logits.size(1)
+    flat = logits.view(-1)
+    allowed = [
+        (row, c.allowed_token_ids)
+        for row, c in zip(controls.rows, controls.per_row, strict=True)
+        if c.allowed_token_ids is not None
+    ]
+    if allowed:
+        disallowed = torch.ones(len(allowed), vocab, dtype=torch.bool, device=device)
+        kept = torch.cat([ids + i * vocab for i, (_, ids) in enumerate(allowed)])
+        disallowed.view(-1)[kept] = False
+        index = torch.tensor([row for row, _ in allowed], device=device)
+        logits[index] = logits[index].masked_fill_(disallowed, -float("inf"))
+    banned = _bad_word_bans(controls, vocab)
+    if banned is not None:
+        positions, required, pending_rows = banned
+        positions = torch.from_numpy(positions).to(device)
+        ban = torch.full(positions.shape, -float("inf"), device=device)
+        if required is not None:
+            # A word whose prefix ends with the still-unknown last token: banned where that token is it.
+            needed = torch.from_numpy(required).to(device)
+            actual = controls.pending_token_ids[torch.from_numpy(pending_rows).to(device)]
+            ban = torch.where((needed < 0) | (actual == needed), ban, torch.zeros_like(ban))
+        # Accumulating adds of -inf and 0: repeated positions and their order change nothing.
+        flat.index_put_((positions,), ban, accumulate=True)
+    biased = [
+        (row, c)
+        for row, c in zip(controls.rows, controls.per_row, strict=True)
+        if c.bias_token_ids is not None
+    ]
+    if biased:
+        positions = torch.cat([c.bias_token_ids + row * vocab for row, c in biased])
+        flat.index_add_(0, positions, torch.cat([c.bias_values for _, c in biased]))
+
+
+def _bad_word_bans(
+    controls: LogitControls, vocab: int
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray] | None:
+    """The logits positions (row * vocab + token) bad_words ban this step. When a row's last generated
+    token is still on the device, a word that needs it is a conditional ban: ``required`` holds the
+    token it must be (-1: none needed) and ``pending_rows`` the row whose pending token decides."""
+    positions: list[int] = []
+    required: list[int] = []
+    pending_rows: list[int] = []
+    for row, c, known, pending in zip(
+        controls.rows, controls.per_row, controls.output_token_ids, controls.last_token_pending, strict=True
+    ):
+        for word in c.bad_words or ():
+            prefix = word[:-1]
+            needed = -1
+            if pending and len(prefix):
+                needed = int(prefix[-1])
+                prefix = prefix[:-1]
+            tail = known[len(known) - len(prefix) :] if len(prefix) else prefix
+            if len(tail) == len(prefix) and np.array_equal(tail, prefix):
+                positions.append(row * vocab + int(word[-1]))
+                required.append(needed)
+                pending_rows.append(row)
+    if not positions:
+        return None
+    if all(r < 0 for r in required):
+        return np.array(positions, dtype=np.int64), None, np.zeros(0, dtype=np.int64)
+    return (
+        np.array(positions, dtype=np.int64),
+        np.array(required, dtype=np.int64),
+        np.array(pending_rows, dtype=np.int64),
+    )
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
