@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,7 +21,9 @@ from nanoinfer.config import EngineConfig
 from nanoinfer.engine.kv_cache_manager import KVCacheManager
 from nanoinfer.engine.request import EngineRequest
 from nanoinfer.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
+from nanoinfer.engine.structured_outputs import StructuredOutputManager
 from nanoinfer.executor.model_runner import StepHandle
+from nanoinfer.models.checkpoint import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,9 @@ class EngineCoreOutputs:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tokenizer: Any = None):
+        """``tokenizer``: the frontend's, when it runs in the same process (structured outputs need
+        one; otherwise the core loads its own when the first constrained request arrives)."""
         from nanoinfer.executor.executor import create_executor  # imports the model code
 
         self.config = config
@@ -51,6 +56,10 @@ class EngineCore:
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
         )
         self.async_scheduling = config.async_scheduling
+        self.structured_outputs = StructuredOutputManager(
+            config,
+            lambda: tokenizer if tokenizer is not None else load_tokenizer(config.model, config.tokenizer),
+        )
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -66,8 +75,10 @@ class EngineCore:
 
     def add_request(self, request: EngineRequest) -> None:
         """Queues a request the frontend's input processor validated (its KV need fits the pool); raises
-        ValueError if its id is in use."""
-        self.scheduler.add_request(request)
+        ValueError if its id is in use or its structured-outputs constraint does not compile."""
+        constraint = request.params.structured_outputs
+        grammar = self.structured_outputs.compile(constraint) if constraint is not None else None
+        self.scheduler.add_request(request, grammar)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drops requests (aborted, or ended by the frontend: a stop string) and frees their blocks."""
@@ -82,13 +93,34 @@ class EngineCore:
         """Runs one step. Without async scheduling: schedule, run, return its outputs. With it: launch
         the next step, then return the outputs of the one launched by the previous call."""
         out = self.scheduler.schedule()
-        handle = self.executor.execute(out) if not out.is_empty else None
+        handle = None
+        if not out.is_empty:
+            handle = self.executor.execute(out, defer_sampling=bool(out.structured_rows))
         if not self.async_scheduling:
-            return self._finish_step(out, handle) if handle is not None else EngineCoreOutputs()
+            if handle is None:
+                return EngineCoreOutputs()
+            self._sample_structured(out, handle)
+            return self._finish_step(out, handle)
         previous, self._in_flight = self._in_flight, (out, handle) if handle is not None else None
-        if previous is None:
-            return EngineCoreOutputs()
-        return self._finish_step(*previous)
+        # The previous step's tokens advance the grammars that this step's bitmask is made from.
+        outputs = self._finish_step(*previous) if previous is not None else EngineCoreOutputs()
+        if handle is not None:
+            self._sample_structured(out, handle)
+        return outputs
+
+    def _sample_structured(self, out: SchedulerOutput, handle: StepHandle) -> None:
+        """Launches the sampling of a step whose constrained rows waited for their bitmask."""
+        if not out.structured_rows:
+            return
+        requests = self.scheduler.requests
+        grammars = []
+        for row in out.structured_rows:
+            # A request that the previous step finished has no grammar to ask; its token is dropped.
+            request = requests.get(out.scheduled[row].request_id)
+            if request is not None:
+                grammars.append((row, request.grammar))
+        bitmask = self.structured_outputs.bitmask(grammars) if grammars else None
+        self.executor.sample(handle, bitmask)
 
     def _finish_step(self, out: SchedulerOutput, handle: StepHandle) -> EngineCoreOutputs:
         result = handle.result()
@@ -103,6 +135,8 @@ class EngineCore:
         stats = self.scheduler.stats()
         stats["num_prompt_tokens_computed"] = self.num_prompt_tokens_computed
         stats["num_generated_tokens"] = self.num_generated_tokens
+        stats["structured_mask_steps"] = self.structured_outputs.num_mask_steps
+        stats["structured_mask_us"] = round(self.structured_outputs.mask_seconds * 1e6)
         return stats
 
     def close(self) -> None:

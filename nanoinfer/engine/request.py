@@ -87,9 +87,7 @@ class Request:
         "grammar",
     )
 
-    def __init__(
-        self, engine_request: EngineRequest, arrival_index: int, grammar: Grammar | None = None
-    ):
+    def __init__(self, engine_request: EngineRequest, arrival_index: int, grammar: Grammar | None = None):
         params = engine_request.params
         self.request_id = engine_request.request_id
         self.params = params

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from nanoinfer.engine.kv_cache_manager import KVCacheManager
 from nanoinfer.engine.request import EngineRequest, Request, RequestStatus
 from nanoinfer.sample.logprobs import TokenLogprobs
 from nanoinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoinfer.structured.backend import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,9 @@ class SchedulerOutput:
     # Requests that left the batch since the previous step (finished, aborted, preempted).
     finished_request_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
+    # Rows (indices into ``scheduled``) that sample under a structured-outputs constraint: their
+    # sampling waits for a grammar bitmask (see engine/structured_outputs.py).
+    structured_rows: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -85,6 +92,9 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "error"
     stop_reason: int | None = None  # the stop_token_ids entry that stopped it
+    # The last new token is the EOS or stop token that ended it (its text is not shown); False when a
+    # complete structured output ended it ("stop" too).
+    stopped_by_token: bool = False
     new_logprobs: TokenLogprobs | None = None  # one position per new token
     prompt_logprobs: TokenLogprobs | None = None  # a chunk of positions, from prompt_logprobs_start
     prompt_logprobs_start: int = 0
@@ -130,10 +140,10 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------------------
 
-    def add_request(self, engine_request: EngineRequest) -> Request:
+    def add_request(self, engine_request: EngineRequest, grammar: Grammar | None = None) -> Request:
         if engine_request.request_id in self.requests:
             raise ValueError(f"request_id {engine_request.request_id!r} is already in use")
-        request = Request(engine_request, self._num_arrivals)
+        request = Request(engine_request, self._num_arrivals, grammar)
         self._num_arrivals += 1
         self.requests[request.request_id] = request
         leader = self.requests.get(request.leader_id) if request.leader_id else None
@@ -285,6 +295,8 @@ class Scheduler:
         request.num_computed_tokens = end
         if samples:
             request.num_pending += 1
+            if request.grammar is not None:
+                out.structured_rows.append(len(out.scheduled))
         out.scheduled.append(row)
 
     # -- results ---------------------------------------------------------------------------------------
@@ -325,6 +337,11 @@ class Scheduler:
         if error is not None:
             return self._fail(request, error)
         token_id = result.token_ids[row_index]
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept_token(token_id):
+            return self._fail(
+                request, grammar.error or f"sampled token {token_id} is not allowed by structured_outputs"
+            )
         request.append_token(token_id)
         if output is None:
             output = EngineCoreOutput(request.request_id, [token_id])
@@ -337,6 +354,9 @@ class Scheduler:
         if request.block_ids:
             self.kv.cache_full_blocks(request)
         reason = self._stop_reason(request, token_id)
+        output.stopped_by_token = reason == "stop"
+        if reason is None and grammar is not None and self._grammar_blocks_eos(request):
+            reason = "stop"
         if reason is not None:
             output.finish_reason = reason
             output.stop_reason = request.stop_reason
@@ -358,6 +378,14 @@ class Scheduler:
         ):
             return "length"
         return None
+
+    @staticmethod
+    def _grammar_blocks_eos(request: Request) -> bool:
+        """The constraint is complete and allows only EOS next, which the request cannot sample (it
+        ignores EOS, or min_tokens still bans it): it ends here instead."""
+        num_output = request.num_tokens - request.num_prompt_tokens
+        blocked = not request.eos_token_ids or num_output < request.params.min_tokens
+        return blocked and request.grammar.is_terminated()
 
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:
         logger.error("request %s failed: %s", request.request_id, error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.scheduler import SchedulerOutput
+from nanoinfer.engine.structured_outputs import GrammarBitmask
 from nanoinfer.executor.model_runner import ModelRunner, StepHandle
 
 
@@ -18,10 +19,15 @@ class Executor:
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks
 
-    def execute(self, out: SchedulerOutput) -> StepHandle:
-        """Launches the step; the handle's result() waits for it."""
+    def execute(self, out: SchedulerOutput, defer_sampling: bool = False) -> StepHandle:
+        """Launches the step; the handle's result() waits for it. ``defer_sampling``: launch the forward
+        pass and the logits only; :meth:`sample` launches the rest."""
         step, plan = self.runner.prepare(out)
-        return self.runner.execute(out, step, plan)
+        return self.runner.execute(out, step, plan, defer_sampling)
+
+    def sample(self, handle: StepHandle, bitmask: GrammarBitmask | None) -> None:
+        """Launches the sampling of a step executed with ``defer_sampling``, under ``bitmask``."""
+        self.runner.sample(handle, bitmask)
 
     def close(self) -> None:
         if self.runner is not None:

@@ -19,6 +19,7 @@ import torch
 from nanoinfer.config import EngineConfig
 from nanoinfer.distributed import all_reduce_min, broadcast_from_rank0, tensor_parallel_scope
 from nanoinfer.engine.scheduler import RunnerOutput, SchedulerOutput
+from nanoinfer.engine.structured_outputs import GrammarBitmask
 from nanoinfer.executor.cuda_graphs import (
     CudaGraphs,
     PiecewiseGraphs,
@@ -37,6 +38,7 @@ from nanoinfer.sample.logprobs import LogprobsTensors, TokenLogprobs
 from nanoinfer.sample.metadata import SamplingMetadata
 from nanoinfer.sample.sampler import Sampler, prompt_logprobs
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured.bitmask_ref import apply_token_bitmask_ref
 
 logger = logging.getLogger(__name__)
 
@@ -51,25 +53,22 @@ DeviceWait = Callable[[torch.cuda.Event], None]
 class StepHandle:
     """A launched step. :meth:`result` waits for its sampled tokens and returns them row for row."""
 
-    def __init__(
-        self,
-        out: SchedulerOutput,
-        plan: StepPlan,
-        tokens: torch.Tensor | None,
-        event: torch.cuda.Event | None,
-        wait: DeviceWait | None,
-    ):
+    def __init__(self, out: SchedulerOutput, plan: StepPlan):
         self.out = out
         self.plan = plan
-        self._tokens = tokens  # [sampled rows], on the host (pinned, filled asynchronously) or CPU
-        self._event = event
-        self._wait = wait
+        self._tokens: torch.Tensor | None = None  # [sampled rows], on the host (pinned) or CPU
+        self._event: torch.cuda.Event | None = None  # after which _tokens is filled
+        self._wait: DeviceWait | None = None
+        # A step whose sampling waits for a grammar bitmask: its logits and sampling inputs.
+        self.deferred: tuple[torch.Tensor, SamplingMetadata] | None = None
         self.logprobs: LogprobsTensors | None = None
         self.logprob_rows: list[int] = []  # logits rows the logprobs belong to
         self.prompt_logprobs: TokenLogprobs | None = None
         self.failed_rows: dict[int, str] = {}  # logits row -> error
 
     def result(self) -> RunnerOutput:
+        if self.deferred is not None:
+            raise RuntimeError("the step's sampling was deferred and never launched (ModelRunner.sample)")
         if self._event is not None:
             self._wait(self._event)
         plan = self.plan
@@ -386,36 +385,63 @@ class ModelRunner:
         return self.input_batch.prepare(out)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, step: StepInputs, plan: StepPlan) -> StepHandle:
-        """Rank 0: launches the step (forward, logits, sampling) and returns without waiting for it."""
+    def execute(
+        self, out: SchedulerOutput, step: StepInputs, plan: StepPlan, defer_sampling: bool = False
+    ) -> StepHandle:
+        """Rank 0: launches the step (forward, logits, sampling) and returns without waiting for it.
+        ``defer_sampling``: stops after the logits; :meth:`sample` launches the rest."""
         hidden = self._forward(step)
-        prompt_chunk = None
+        handle = StepHandle(out, plan)
         if step.prompt_logprob_index is not None:
             targets, num_top = self._prompt_logprob_targets(out, plan)
-            prompt_chunk = prompt_logprobs(
+            handle.prompt_logprobs = prompt_logprobs(
                 hidden, self._to_device(step.prompt_logprob_index), targets, num_top, self._compute_logits
             )
         if not len(step.logits_index):
-            handle = StepHandle(out, plan, None, None, None)
-            handle.prompt_logprobs = prompt_chunk
             return handle
         logits_index = self._to_device(step.logits_index)
         logits = self._compute_logits(hidden[logits_index])
         last_inputs = self.buffers.input_ids[logits_index]
         metadata = self.input_batch.sampling_metadata(out, plan, last_inputs)
+        if defer_sampling:
+            handle.deferred = (logits, metadata)
+        else:
+            self._sample(handle, logits, metadata)
+        return handle
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle, bitmask: GrammarBitmask | None) -> None:
+        """Rank 0: launches the sampling of a step executed with ``defer_sampling``; the disallowed
+        tokens of the bitmask's rows get -inf first. Other rows are untouched."""
+        if handle.deferred is None:
+            raise RuntimeError("sample() needs a step executed with defer_sampling=True")
+        (logits, metadata), handle.deferred = handle.deferred, None
+        if bitmask is not None and bitmask.rows:
+            logits_row = {index: j for j, index in enumerate(handle.plan.sample_rows)}
+            rows = np.array([logits_row[index] for index in bitmask.rows], dtype=np.int64)
+            masks = self._to_device(bitmask.bitmask.numpy())
+            if logits.device.type == "cuda":
+                from nanoinfer.structured.triton_bitmask import apply_token_bitmask
+
+                apply_token_bitmask(logits, masks, self._to_device(rows))
+            else:
+                apply_token_bitmask_ref(logits, masks, rows.tolist())
+        self._sample(handle, logits, metadata)
+
+    def _sample(self, handle: StepHandle, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        out, plan = handle.out, handle.plan
         sampled, failed = self.sampler.sample_isolating_faults(logits, metadata)
         batch = self.input_batch
         # A failed row's token (-1) must not become the next step's input, which it still is (its
         # request ends only when this step's result is read).
         batch.previous_sampled = sampled.token_ids.clamp_min(0) if failed else sampled.token_ids
         batch.previous_sample_row = {out.scheduled[i].request_id: j for j, i in enumerate(plan.sample_rows)}
-        handle = self._fetch(out, plan, sampled.token_ids)
-        handle.prompt_logprobs = prompt_chunk
+        handle._tokens, handle._event = self.pinned_outputs.to_host(sampled.token_ids)
+        handle._wait = self.device_wait if handle._event is not None else None
         handle.failed_rows = failed
         if sampled.logprobs is not None:
             handle.logprobs = sampled.logprobs
             handle.logprob_rows = sampled.logprob_rows
-        return handle
 
     @torch.inference_mode()
     def execute_worker_step(self, step: StepInputs) -> None:
@@ -426,10 +452,6 @@ class ModelRunner:
             prompt_logprobs(hidden, self._to_device(step.prompt_logprob_index), [], [], self._compute_logits)
         if len(step.logits_index):
             self._compute_logits(hidden[self._to_device(step.logits_index)])
-
-    def _fetch(self, out: SchedulerOutput, plan: StepPlan, tokens: torch.Tensor) -> StepHandle:
-        host, event = self.pinned_outputs.to_host(tokens)
-        return StepHandle(out, plan, host, event, self.device_wait if event is not None else None)
 
     def _prompt_logprob_targets(self, out: SchedulerOutput, plan: StepPlan) -> tuple[list[int], list[int]]:
         batch = self.input_batch

@@ -11,6 +11,7 @@ from typing import Any
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.request import EngineRequest, engine_eos_token_ids
+from nanoinfer.engine.structured_outputs import StructuredOutputManager
 from nanoinfer.sampling_params import SamplingParams, derive_seed
 
 PromptType = str | list[int] | dict
@@ -115,7 +116,15 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any, num_kv_blocks: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        num_kv_blocks: int,
+        structured_outputs: StructuredOutputManager | None = None,
+    ):
+        """``structured_outputs``: the engine core's, when it runs in this process (one grammar compiler
+        serves both); otherwise the frontend builds its own to check constraints as they arrive."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = config.hf_config.vocab_size
@@ -123,6 +132,7 @@ class InputProcessor:
         self.eos_token_ids = engine_eos_token_ids(config, tokenizer)
         # Seeds of requests that name none: every request samples from noise of its own seed.
         self._seeds = random.Random(config.seed)
+        self.structured_outputs = structured_outputs or StructuredOutputManager(config, lambda: tokenizer)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -178,6 +188,10 @@ class InputProcessor:
         if bad_stops:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad_stops[:5]}")
         self._check_kv_fit(len(token_ids), params)
+        if params.structured_outputs is not None:
+            # Compiled here too, so that an invalid constraint is the caller's ValueError (a 400 on the
+            # server) rather than a failed request later; the core compiles its own matcher.
+            self.structured_outputs.compile(params.structured_outputs)
         arrival_time = time.time() if arrival_time is None else arrival_time
         n = params.n
         if params.seed is not None:

@@ -23,8 +23,10 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template_text)
         logger.info("%s", describe_generation_defaults(config))
-        self.engine_core = EngineCore(config)
-        self.input_processor = InputProcessor(config, self.tokenizer, self.engine_core.num_kv_blocks)
+        self.engine_core = EngineCore(config, self.tokenizer)
+        self.input_processor = InputProcessor(
+            config, self.tokenizer, self.engine_core.num_kv_blocks, self.engine_core.structured_outputs
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -248,7 +248,7 @@ class OutputProcessor:
                 completion.cumulative_logprob += output.new_logprobs.logprobs[position]
         # A stop token's (or EOS's) own text is left out unless include_stop_str_in_output (vLLM).
         text_tokens = output.new_token_ids
-        if output.finish_reason == "stop" and not params.include_stop_str_in_output:
+        if output.stopped_by_token and not params.include_stop_str_in_output:
             text_tokens = text_tokens[:-1]
         detokenizer = completion.detokenizer
         for token_id in text_tokens:

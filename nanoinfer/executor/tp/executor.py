@@ -46,11 +46,11 @@ class TensorParallelExecutor(Executor):
         with self.workers.running_step():
             self.workers.wait_for_device(event)
 
-    def execute(self, out: SchedulerOutput) -> StepHandle:
+    def execute(self, out: SchedulerOutput, defer_sampling: bool = False) -> StepHandle:
         step, plan = self.runner.prepare(out)
         with self.workers.running_step():
             self.workers.send(step)
-            return self.runner.execute(out, step, plan)
+            return self.runner.execute(out, step, plan, defer_sampling)
 
     def close(self) -> None:
         """Stops the workers and leaves the process group; frees the graphs first, since they hold the

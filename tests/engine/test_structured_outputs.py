@@ -1,0 +1,200 @@
+"""Structured outputs through the engine: on a random tiny model only the constraint can make the output
+valid, so every output below being valid is the check. Constrained rows beside unconstrained ones leave
+those token for token as they were; bad constraints are rejected naming the field and cost nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+from nanoinfer.sampling_params import RequestOutputKind
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "tags", "active"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"
+CHOICES = ["red", "green", "blue", "reddish brown"]
+GRAMMAR = 'start: item ("," item){0,3}\nitem: /[0-9]{1,3}/ | "x"'
+PROMPTS = ["hello world", "the quick brown fox", "a", "jumps over the lazy dog again and again"]
+
+
+def check_schema(text: str) -> None:
+    value = json.loads(text)
+    assert list(value) == list(SCHEMA["properties"])  # all required, in schema order
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12
+    assert type(value["age"]) is int and 0 <= value["age"] <= 150
+    assert value["role"] in ("admin", "editor", "viewer")
+    assert isinstance(value["tags"], list) and len(value["tags"]) <= 3
+    assert all(isinstance(t, str) and len(t) <= 6 for t in value["tags"])
+    assert isinstance(value["active"], bool)
+
+
+CHECKS = {
+    "json": (StructuredOutputsParams(json=SCHEMA), check_schema),
+    "regex": (StructuredOutputsParams(regex=REGEX), lambda t: re.fullmatch(REGEX, t) or pytest.fail(t)),
+    "choice": (StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES or pytest.fail(t)),
+    "grammar": (
+        StructuredOutputsParams(grammar=GRAMMAR),
+        lambda t: re.fullmatch(r"(?:[0-9]{1,3}|x)(?:,(?:[0-9]{1,3}|x)){0,3}", t) or pytest.fail(t),
+    ),
+    "json_object": (StructuredOutputsParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request, tiny_qwen3):
+    engine = LLM(tiny_qwen3, device="cpu", async_scheduling=request.param, max_num_seqs=16)
+    yield engine
+    engine.close()
+
+
+def _no_leak(llm: LLM) -> None:
+    stats = llm.llm_engine.stats()
+    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+    assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+@pytest.mark.parametrize("kind", list(CHECKS))
+def test_outputs_are_valid_across_seeds_and_temperatures(llm, kind):
+    constraint, check = CHECKS[kind]
+    params = [
+        SamplingParams(temperature=t, seed=seed, max_tokens=120, structured_outputs=constraint)
+        for t in (0.0, 0.7, 1.5)
+        for seed in range(4 if t else 1)
+    ]
+    outputs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params, use_tqdm=False)
+    for output in outputs:
+        completion = output.outputs[0]
+        if kind == "json_object" and completion.finish_reason == "length":
+            # Any object: nothing bounds its keys and strings, which a random model may fill.
+            assert completion.text.startswith("{")
+            continue
+        assert completion.finish_reason == "stop", completion.text
+        check(completion.text)
+        # EOS ends the constrained output, as it ends any other.
+        assert completion.token_ids[-1] == llm.get_tokenizer().eos_token_id
+    _no_leak(llm)
+
+
+def test_unconstrained_rows_are_token_identical_beside_constrained_ones(llm):
+    plain = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True),
+    ]
+    alone = llm.generate(PROMPTS[:3], plain, use_tqdm=False)
+    constrained = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs=CHECKS[kind][0])
+        for i, kind in enumerate(CHECKS)
+    ]
+    prompts = PROMPTS[:3] + [PROMPTS[3]] * len(constrained)
+    mixed = llm.generate(prompts, plain + constrained, use_tqdm=False)
+    for before, after in zip(alone, mixed[:3], strict=True):
+        assert after.outputs[0].token_ids == before.outputs[0].token_ids
+    for output, kind in zip(mixed[3:], CHECKS, strict=True):
+        CHECKS[kind][1](output.outputs[0].text)
+    _no_leak(llm)
+
+
+def test_a_constraint_that_cannot_complete_ends_with_length(llm):
+    params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    completion = llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0]
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 3
+    assert completion.text.startswith('{"')
+    _no_leak(llm)
+
+
+@pytest.mark.parametrize(
+    "extra", [{"ignore_eos": True}, {"min_tokens": 40}], ids=["ignore_eos", "min_tokens"]
+)
+def test_a_complete_constraint_ends_the_request_when_eos_cannot_be_sampled(llm, extra):
+    constraint = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=50, structured_outputs=constraint, **extra)
+    completion = llm.generate(["question"], params, use_tqdm=False)[0].outputs[0]
+    assert completion.text in ("yes", "no") and completion.finish_reason == "stop"
+    _no_leak(llm)
+
+
+def test_n_completions_and_streaming_deltas_each_follow_the_constraint(llm):
+    constraint, check = CHECKS["regex"]
+    params = SamplingParams(n=3, temperature=1.2, seed=5, max_tokens=40, structured_outputs=constraint)
+    output = llm.generate(["mail"], params, use_tqdm=False)[0]
+    assert len(output.outputs) == 3
+    for completion in output.outputs:
+        check(completion.text)
+    engine = llm.llm_engine
+    delta = SamplingParams(
+        temperature=1.0,
+        seed=2,
+        max_tokens=120,
+        structured_outputs=CHECKS["json"][0],
+        output_kind=RequestOutputKind.DELTA,
+    )
+    engine.add_request("stream", "data", delta)
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].text
+    check_schema(text)
+    _no_leak(llm)
+
+
+def test_constrained_requests_survive_preemption(tiny_qwen3):
+    # 8 blocks of 16 tokens for 6 requests that each need 2-3: requests are preempted and recomputed.
+    llm = LLM(tiny_qwen3, device="cpu", num_kvcache_blocks=8, kvcache_block_size=16, max_num_seqs=6)
+    try:
+        constraint, check = CHECKS["json"]
+        params = [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=48, structured_outputs=constraint)
+            for i in range(6)
+        ]
+        outputs = llm.generate(["one two three four five six"] * 6, params, use_tqdm=False)
+        assert llm.llm_engine.stats()["num_preemptions"] > 0
+        for output in outputs:
+            completion = output.outputs[0]
+            if completion.finish_reason == "stop":
+                check(completion.text)
+            else:
+                assert completion.finish_reason == "length" and completion.text.startswith('{"')
+        _no_leak(llm)
+    finally:
+        llm.close()
+
+
+BAD_CONSTRAINTS = [
+    ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "structured_outputs.json"),
+    ({"json": '{"type": '}, "structured_outputs.json is not valid JSON"),
+    ({"regex": "(unclosed"}, "structured_outputs.regex"),
+    ({"regex": r"(a)\1"}, "structured_outputs.regex"),
+    ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
+    ({"grammar": "root ::= ("}, "structured_outputs.grammar"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"json": SCHEMA, "regex": REGEX}, "exactly one of"),
+]
+
+
+@pytest.mark.parametrize("fields, message", BAD_CONSTRAINTS)
+def test_bad_constraints_are_rejected_naming_the_field_and_the_engine_keeps_serving(llm, fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(**fields))
+        llm.generate(["hi"], params, use_tqdm=False)
+    _no_leak(llm)
+    params = SamplingParams(max_tokens=8, structured_outputs=CHECKS["choice"][0])
+    assert llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0].text in CHOICES
+
+
+def test_structured_outputs_must_be_its_params_type():
+    with pytest.raises(ValueError, match="structured_outputs must be None or a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": SCHEMA})
