@@ -68,44 +68,49 @@ def _add_generation_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-tokens",
         type=_integer(low=1),
-        default=DEFAULT_MAX_TOKENS,
+        default=None,
         metavar="N",
-        help="maximum number of tokens per answer (default: %(default)s)",
+        help=f"maximum number of tokens per answer (default: the model's generation config, else "
+        f"{DEFAULT_MAX_TOKENS})",
     )
     group.add_argument(
         "--temperature",
         type=_number(low=0.0),
-        default=0.0,
+        default=None,
         metavar="T",
-        help="sampling temperature; 0 is greedy (default: %(default)s)",
+        help="sampling temperature; 0 is greedy (default: the model's generation config, else 0)",
     )
     group.add_argument(
         "--top-p",
         type=_number(low=0.0, high=1.0, low_open=True),
-        default=1.0,
+        default=None,
         metavar="P",
-        help="sample from the smallest set of tokens whose probability reaches P (default: %(default)s)",
+        help="sample from the smallest set of tokens whose probability reaches P (default: the model's "
+        "generation config, else 1)",
     )
     group.add_argument(
         "--top-k",
         type=_integer(low=-1),
-        default=0,
+        default=None,
         metavar="K",
-        help="sample from the K most likely tokens; 0 or -1: all (default: %(default)s)",
+        help="sample from the K most likely tokens; 0 or -1: all (default: the model's generation config, "
+        "else 0)",
     )
     group.add_argument(
         "--min-p",
         type=_number(low=0.0, high=1.0),
-        default=0.0,
+        default=None,
         metavar="P",
-        help="drop tokens less likely than P times the most likely one (default: %(default)s)",
+        help="drop tokens less likely than P times the most likely one (default: the model's generation "
+        "config, else 0)",
     )
     group.add_argument(
         "--repetition-penalty",
         type=_number(low=0.0, low_open=True),
-        default=1.0,
+        default=None,
         metavar="R",
-        help="above 1 discourages tokens already in the prompt or answer (default: %(default)s)",
+        help="above 1 discourages tokens already in the prompt or answer (default: the model's "
+        "generation config, else 1)",
     )
     group.add_argument(
         "--stop",
@@ -148,18 +153,23 @@ def _number(low: float, high: float = math.inf, low_open: bool = False) -> Calla
     return parse
 
 
-def sampling_params_from_args(args: argparse.Namespace):
+def sampling_params_from_args(args: argparse.Namespace, generation_defaults: dict | None = None):
+    """Greedy decoding and DEFAULT_MAX_TOKENS, under the model's generation defaults (its
+    generation_config.json, --generation-config, --override-generation-config), under the flags given."""
     from nanoinfer import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        stop=args.stop,
-        max_tokens=args.max_tokens,
-    )
+    kwargs = {"temperature": 0.0, "max_tokens": DEFAULT_MAX_TOKENS, **(generation_defaults or {})}
+    flags = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "stop": args.stop,
+        "max_tokens": args.max_tokens,
+    }
+    kwargs.update({name: value for name, value in flags.items() if value is not None})
+    return SamplingParams(**kwargs)
 
 
 def _open_llm(args: argparse.Namespace):
@@ -183,8 +193,8 @@ def _require_chat_template(llm, args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    params = sampling_params_from_args(args)
     llm = _open_llm(args)
+    params = sampling_params_from_args(args, llm.llm_engine.config.generation_defaults)
     try:
         if args.no_chat_template:
             prompt: Any = args.prompt
@@ -200,8 +210,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    params = sampling_params_from_args(args)
     llm = _open_llm(args)
+    params = sampling_params_from_args(args, llm.llm_engine.config.generation_defaults)
     interactive = sys.stdin.isatty()
     try:
         _require_chat_template(llm, args)

@@ -32,13 +32,23 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def test_generate_defaults():
     args = _parse(["generate", "Hello there"])
     assert args.prompt == "Hello there" and args.model is None
-    assert args.max_tokens == 128 and args.temperature == 0.0 and args.no_chat_template is False
+    assert args.max_tokens is None and args.temperature is None and args.no_chat_template is False
     assert engine_kwargs_from_args(args) == {}
     assert args.func is cli_generate._generate
     # Unset sampling flags are SamplingParams' own defaults, except greedy decoding and a longer answer.
     params = cli_generate.sampling_params_from_args(args)
     defaults = SamplingParams(temperature=0.0, max_tokens=128)
     assert params == defaults
+
+
+def test_generation_defaults_apply_under_the_flags_given():
+    model_defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 300}
+    params = cli_generate.sampling_params_from_args(_parse(["generate", "Hi"]), model_defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.95, 20, 300)
+    args = _parse(["generate", "Hi", "--temperature", "0", "--max-tokens", "5"])
+    params = cli_generate.sampling_params_from_args(args, model_defaults)
+    # Greedy resets the filters (SamplingParams' rule); the flags win over the model's defaults.
+    assert (params.temperature, params.max_tokens) == (0.0, 5)
 
 
 def test_sampling_flags_reach_sampling_params():
