@@ -12,14 +12,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.request import engine_eos_token_ids
-from nanoinfer.structured.backend import Grammar, GrammarCompiler, allocate_token_bitmask
 from nanoinfer.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    # llguidance is imported by the first constrained request only.
+    from nanoinfer.structured.backend import Grammar, GrammarCompiler
 
 
 @dataclass
@@ -47,6 +50,8 @@ class StructuredOutputManager:
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
+            from nanoinfer.structured.backend import GrammarCompiler
+
             tokenizer = self._tokenizer()
             config = self._config
             self._compiler = GrammarCompiler(
@@ -60,6 +65,8 @@ class StructuredOutputManager:
 
     def bitmask(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
         """The bitmask of (scheduled row, matcher) pairs, filled on llguidance's threads."""
+        from nanoinfer.structured.backend import allocate_token_bitmask
+
         started = time.perf_counter()
         compiler = self.compiler
         if self._bitmask is None or self._bitmask.shape[0] < len(grammars):

@@ -25,7 +25,6 @@ from nanoinfer.entrypoints.openai_protocol import APIError
 from nanoinfer.entrypoints.reasoning_parsers import Qwen3ReasoningParser, prompt_opens_reasoning
 from nanoinfer.entrypoints.tool_parsers import HermesToolParser
 from nanoinfer.structured.params import StructuredOutputsParams
-from nanoinfer.structured.tools import tool_call_constraint
 
 TOOL_CALL_PARSERS = ("hermes",)
 REASONING_PARSERS = ("qwen3",)
@@ -126,6 +125,8 @@ def request_constraint(request: Any, special_tokens: Collection[str]) -> Structu
     if tools or tool_choice is not None:
         if not tools and tool_choice not in (None, "none"):
             raise APIError("tool_choice needs tools", param="tool_choice")
+        from nanoinfer.structured.tools import tool_call_constraint  # llguidance, on first use
+
         try:
             params = tool_call_constraint(tools, tool_choice, special_tokens)
         except ValueError as e:

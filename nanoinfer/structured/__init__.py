@@ -4,18 +4,27 @@
 turns it into a per-request ``Grammar`` matcher that fills token bitmasks; ``apply_token_bitmask_ref``
 (torch) and ``triton_bitmask.apply_token_bitmask`` (GPU) apply them to logits; ``tool_call_constraint``
 builds the constraint that forces OpenAI tool calls.
+
+Only ``StructuredOutputsParams`` is imported with the package: the others load llguidance, which an
+engine that never sees a constrained request does not need (they are imported on first access).
 """
 
-from nanoinfer.structured.backend import Grammar, GrammarCompiler, allocate_token_bitmask
-from nanoinfer.structured.bitmask_ref import apply_token_bitmask_ref
-from nanoinfer.structured.params import StructuredOutputsParams
-from nanoinfer.structured.tools import tool_call_constraint
+import importlib
 
-__all__ = [
-    "Grammar",
-    "GrammarCompiler",
-    "StructuredOutputsParams",
-    "allocate_token_bitmask",
-    "apply_token_bitmask_ref",
-    "tool_call_constraint",
-]
+from nanoinfer.structured.params import StructuredOutputsParams
+
+_LAZY = {
+    "Grammar": "nanoinfer.structured.backend",
+    "GrammarCompiler": "nanoinfer.structured.backend",
+    "allocate_token_bitmask": "nanoinfer.structured.backend",
+    "apply_token_bitmask_ref": "nanoinfer.structured.bitmask_ref",
+    "tool_call_constraint": "nanoinfer.structured.tools",
+}
+
+__all__ = ["StructuredOutputsParams", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
