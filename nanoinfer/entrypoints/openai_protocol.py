@@ -112,6 +112,8 @@ PositiveInt = Annotated[int, Field(ge=1)]
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far as well.
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -146,6 +148,10 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        return self.include_usage_in_stream and self.stream_options.continuous_usage_stats
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
