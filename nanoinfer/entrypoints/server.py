@@ -2,8 +2,15 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming over server-sent events or
 not), GET /v1/models, GET /health, GET /metrics (Prometheus). Prompts are rendered and tokenized here, on
-a worker thread of their own (never on the event loop), so that the engine thread only runs the model and
-no request stalls the others. What one request may cost is bounded by :class:`ServerLimits`.
+a worker thread of their own (never on the event loop), so that the engine only runs the model and no
+request stalls the others. What one request may cost is bounded by :class:`ServerLimits`.
+
+`run_server` runs the engine core in a process of its own by default (this process then does HTTP,
+tokenization, detokenization and streaming), or on a thread of this one. Its life cycle: if the engine
+stops by itself, every unfinished request fails (an error event in a stream, 503 otherwise), /health
+answers 503 and the server exits with status 1; SIGINT/SIGTERM stop taking connections, let in-flight
+requests finish for up to ``shutdown_timeout_s``, then end those still open with an error (never a
+silently cut stream), stop the engine and exit with status 0.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -42,8 +50,10 @@ logger = logging.getLogger(__name__)
 
 # OpenAI's default for /v1/completions; chat requests default to the rest of the context instead.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# After SIGINT/SIGTERM, responses still streaming this long are cancelled (which aborts their requests).
-GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+# After SIGINT/SIGTERM, in-flight requests may finish for this long; then those still open end with an error.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
+# How long after that uvicorn waits for them to send their last bytes before it cancels them.
+SHUTDOWN_FINAL_SEND_S = 2.0
 
 
 class OpenAIServer:
@@ -333,7 +343,9 @@ class OpenAIServer:
         streams = await self._add_requests(response_id, prompts, params, request)
         reply = _Reply(response_id, model, chat, [len(p) for p in prompts], params[0], self._decode_token)
         if request.stream:
-            events = reply.stream_events(streams, request.include_usage_in_stream)
+            events = reply.stream_events(
+                streams, request.include_usage_in_stream, request.continuous_usage_in_stream
+            )
             return _EventStreamResponse(events, streams)
         try:
             finals = await _unless_disconnected(raw_request, _collect_final_outputs(streams))
@@ -422,15 +434,21 @@ class _Reply:
         usage = protocol.usage(self.num_prompt_tokens, num_generated)
         return protocol.response_body(object_type, self.response_id, self.created, self.model, choices, usage)
 
+    def _usage(self, num_generated: int) -> dict[str, int]:
+        return protocol.usage(self.num_prompt_tokens, num_generated)
+
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         object_type = "chat.completion.chunk" if self.chat else "text_completion"
         return protocol.sse_event(
             protocol.response_body(object_type, self.response_id, self.created, self.model, choices, usage)
         )
 
-    async def stream_events(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+    async def stream_events(
+        self, streams: list[RequestStream], include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[str]:
         """The SSE events of a streamed response, from the requests' DELTA outputs: one event per engine
-        step with every choice that has new text. Closing this generator aborts unfinished requests."""
+        step with every choice that has new text (all of it, however many tokens the step made), and with
+        ``continuous_usage`` the usage so far in each. Closing this generator aborts unfinished requests."""
         num_generated: dict[int, int] = {}
         # Per choice: tokens (with logprobs) not yet sent because they do not complete a character yet,
         # and (legacy logprobs) the text offset reached.
@@ -445,7 +463,7 @@ class _Reply:
                     for p in range(self.num_prompts)
                     for c in range(self.num_choices)
                 ]
-                yield self._chunk(roles)
+                yield self._chunk(roles, self._usage(0) if continuous_usage else None)
             async with contextlib.aclosing(_merge_streams(streams)) as outputs:
                 async for prompt_index, output in outputs:
                     choices = []
@@ -471,9 +489,10 @@ class _Reply:
                                 protocol.completion_choice(index, c.text, c.finish_reason, choice_logprobs)
                             )
                     if choices:
-                        yield self._chunk(choices)
+                        usage = self._usage(sum(num_generated.values())) if continuous_usage else None
+                        yield self._chunk(choices, usage)
             if include_usage:
-                yield self._chunk([], protocol.usage(self.num_prompt_tokens, sum(num_generated.values())))
+                yield self._chunk([], self._usage(sum(num_generated.values())))
         except (EngineDeadError, RequestFailedError, ValueError) as e:
             yield protocol.sse_event(protocol.error_body(str(e), "server_error"))
         yield protocol.SSE_DONE
@@ -581,6 +600,31 @@ def _client_address(request: Request) -> str:
     return f"{client.host}:{client.port}" if client else "?"
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown (SIGINT, SIGTERM, should_exit) lets in-flight requests
+    finish for ``drain_timeout_s`` seconds and then calls ``end_requests`` (on a worker thread), which
+    ends those still open with an error of their own. Only requests that still have not ended when
+    uvicorn's ``timeout_graceful_shutdown`` (set longer) is over are cancelled, which cuts a stream short."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float, end_requests: Callable[[], None]):
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+        self.end_requests = end_requests
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        loop = asyncio.get_running_loop()
+
+        def drain_timeout() -> None:
+            logger.warning("ending the requests still open %g s into the shutdown", self.drain_timeout_s)
+            loop.run_in_executor(None, self.end_requests)
+
+        timer = loop.call_later(self.drain_timeout_s, drain_timeout)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 def run_server(
     model: str,
     host: str = "127.0.0.1",
@@ -589,18 +633,21 @@ def run_server(
     served_model_names: list[str] | None = None,
     limits: ServerLimits | None = None,
     log_level: str = "info",
+    engine_process: bool = True,
+    shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_TIMEOUT_S,
     **engine_kwargs: Any,
 ) -> int:
-    """Loads the model and serves it until SIGINT/SIGTERM; then stops the engine thread. Returns the exit
-    status: 0 after a requested shutdown, 1 when the engine stopped by itself (a device error, a dead
-    tensor-parallel worker): then no request can be served, and the process must end rather than answer
-    503 forever."""
-    import uvicorn
-
+    """Loads the model and serves it until SIGINT/SIGTERM (see the module's docstring); then stops the
+    engine. ``engine_process``: the engine core runs in a process of its own (else on a thread of this
+    one). Returns the exit status: 0 after a requested shutdown, 1 when the engine stopped by itself (a
+    device error, a dead tensor-parallel worker, a killed engine process): then no request can be served,
+    and the process must end rather than answer 503 forever."""
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
+    if not isinstance(shutdown_timeout_s, int | float) or not 0 <= shutdown_timeout_s < float("inf"):
+        raise ValueError(f"shutdown_timeout_s must be a finite number >= 0, got {shutdown_timeout_s!r}")
     limits = limits if limits is not None else ServerLimits()
-    async_llm = AsyncLLM.from_kwargs(model, **engine_kwargs)
+    async_llm = AsyncLLM.from_kwargs(model, engine_process=engine_process, **engine_kwargs)
     try:
         server = OpenAIServer(async_llm, served_model_names or [model], api_key, limits)
         config = uvicorn.Config(
@@ -609,10 +656,12 @@ def run_server(
             port=port,
             log_level=log_level,
             http=header_timeout_protocol(limits.header_timeout_s),
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+            timeout_graceful_shutdown=shutdown_timeout_s + SHUTDOWN_FINAL_SEND_S,
         )
-        uv_server = uvicorn.Server(config)
-        # Called on the engine thread; uvicorn polls should_exit, so setting it from there is enough.
+        # Shutting the engine down fails every unfinished request with EngineDeadError: a stream then
+        # ends with an error event, a whole response with 503.
+        uv_server = _DrainingServer(config, shutdown_timeout_s, async_llm.shutdown)
+        # Called on the engine's thread; uvicorn polls should_exit, so setting it from there is enough.
         async_llm.on_engine_dead(lambda _: setattr(uv_server, "should_exit", True))
         if threading.current_thread() is threading.main_thread():
             # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again with the
