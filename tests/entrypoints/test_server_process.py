@@ -1,10 +1,11 @@
 """`nanoinfer serve` with its engine core in a process of its own (serve's default), live (a subprocess,
 CPU, tiny model), through its faults and its shutdown: a killed engine process ends every stream with an
-error event within a second and the server exits non-zero; a killed server takes its engine process with
-it; SIGTERM during six streams lets those that can finish in time finish, ends the others with an error
-event, and exits 0. After each, none of the server's processes, socket directories or /dev/shm entries is
-left. Plus the streaming cost (one event per engine step, carrying all of the step's new text, and vLLM's
-continuous usage stats; through HTTP in test_server.py) and the flags."""
+error event, and a whole response with 503, within a second, and the server exits non-zero; a killed
+server takes its engine process with it; SIGTERM during six streams lets those that can finish in time
+finish, ends the others with an error event, and exits 0. After each, none of the server's processes,
+socket directories or /dev/shm entries is left. Plus the streaming cost (one event per engine step,
+carrying all of the step's new text, and vLLM's continuous usage stats; through HTTP in test_server.py)
+and the flags."""
 
 from __future__ import annotations
 
@@ -186,8 +187,21 @@ def test_killed_engine_process_ends_every_stream_and_the_server_exits_non_zero(s
     srv = served()
     readers = [StreamReader(srv.live.url, 200) for _ in range(4)]
     assert all(r.started.wait(30) for r in readers)
+    whole = {}  # a request answered as a whole, in flight as well
+
+    def post_whole() -> None:
+        body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True}
+        response = httpx.post(srv.live.url + "/v1/completions", json=body, timeout=30)
+        whole.update(status=response.status_code, body=response.json(), at=time.monotonic())
+
+    poster = threading.Thread(target=post_whole, daemon=True)
+    poster.start()
+    time.sleep(0.3)
     killed_at = time.monotonic()
     os.kill(srv.engine_pid, signal.SIGKILL)
+    poster.join(10)
+    assert whole["status"] == 503 and "SIGKILL" in whole["body"]["error"]["message"]
+    assert whole["at"] - killed_at < 1.0
     for reader in readers:
         reader.join(10)
         events = reader.events()
