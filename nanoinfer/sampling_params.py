@@ -130,8 +130,9 @@ class SamplingParams:
     # Words the completion may not contain: each is banned as a token sequence (with and without a
     # leading space), by masking its last token whenever the generated tokens end with the rest of it.
     bad_words: list[str] | None = None
-    # bad_words as token-id sequences, set by update_from_tokenizer (the engine calls it on add).
-    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    # bad_words as token-id sequences, set by update_from_tokenizer (the engine calls it on add). A
+    # field, not private state, so that it crosses to an engine process with the rest.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -250,12 +251,12 @@ class SamplingParams:
                     f"bad_words must be None or a list of strings that are not blank, got {words!r}"
                 )
             self.bad_words = list(words) or None
-        ids = self._bad_words_token_ids
+        ids = self.bad_words_token_ids
         if ids is not None and (
             not isinstance(ids, list)
             or not all(isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w) for w in ids)
         ):
-            raise ValueError(f"_bad_words_token_ids must be None or a list of token-id lists, got {ids!r}")
+            raise ValueError(f"bad_words_token_ids must be None or a list of token-id lists, got {ids!r}")
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
         """Tokenizes bad_words (vLLM's method of the same name): each word as it is (leading spaces
@@ -270,12 +271,7 @@ class SamplingParams:
                     raise ValueError(f"bad_words entry {word!r} gives no tokens")
                 if ids not in sequences:
                     sequences.append(ids)
-        self._bad_words_token_ids = sequences or None
-
-    @property
-    def bad_words_token_ids(self) -> list[list[int]] | None:
-        """bad_words as token-id sequences (after update_from_tokenizer)."""
-        return self._bad_words_token_ids
+        self.bad_words_token_ids = sequences or None
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's clone): changing the copy's lists or dicts leaves this one as it is."""

@@ -106,9 +106,6 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {
     "include_stop_str_in_output": SamplingField((None, False), "include_stop_str_in_output"),
     "suffix": SamplingField((None,), None),
     "best_of": SamplingField((None, 1), None),
-    "response_format": SamplingField((None, {"type": "text"}), None),
-    "tools": SamplingField((None, []), None),
-    "tool_choice": SamplingField((None, "none"), None),
     "functions": SamplingField((None, []), None),
     "function_call": SamplingField((None, "none"), None),
     "service_tier": SamplingField((None, "auto", "default"), None),
@@ -141,6 +138,8 @@ PositiveInt = Annotated[int, Field(ge=1)]
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far as well.
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -186,10 +185,22 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Output constraints (entrypoints/structured_requests.py: at most one per request): OpenAI's
+    # response_format, vLLM's structured_outputs object, and vLLM's older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        return self.include_usage_in_stream and self.stream_options.continuous_usage_stats
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -267,11 +278,50 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallMessage(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallMessage(BaseModel):
+    model_config = _STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallMessage
+
+    def template_input(self) -> dict[str, Any]:
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise APIError(
+                f"tool_calls[].function.arguments must be the JSON text of an object, got "
+                f"{self.function.arguments!r:.80}",
+                param="messages",
+            )
+        call: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": self.function.name, "arguments": arguments},
+        }
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls (OpenAI's shape: id, type, function {name, arguments}), and the id of
+    # the call a tool message answers.
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+    # A reasoning parser's split of an earlier assistant turn, as clients send it back: not shown to the
+    # template (Qwen3's drops earlier turns' reasoning too).
+    reasoning_content: str | None = None
 
     def check_text_only(self, index: int) -> None:
         for i, part in enumerate(self.content if isinstance(self.content, list) else []):
@@ -288,14 +338,19 @@ class ChatMessage(BaseModel):
                     param="messages",
                 )
 
-    def template_input(self) -> dict[str, str]:
-        """The message as chat templates expect it: content is one string."""
+    def template_input(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content is one string; a call's arguments are an
+        object (what the templates render with tojson), not OpenAI's JSON text."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text or "" for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_input() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -309,12 +364,14 @@ class ChatCompletionRequest(_GenerationRequest):
     # vLLM's: the prompt ends with the assistant's turn opened, or continues the final message.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # Whether several tool calls may come at once: moot while tools are not supported.
+    # Whether several tool calls may come at once: accepted, and not enforced (tool_choice "required"
+    # allows one or more calls, "auto" parses all the model writes).
     parallel_tool_calls: bool | None = None
     # Predicted outputs only speed up generating text close to the prediction; the text is the same.
     prediction: dict[str, Any] | None = None
 
-    response_format: dict[str, Any] | None = None
+    # Passed to the chat template; tool_choice "required" or a named function constrains the output to
+    # calls, "auto" parses calls out of it (see entrypoints/structured_requests.py).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -442,18 +499,23 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict | None = None,
+    message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``message``: the assistant message when a parser split the text (reasoning, tool calls)."""
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message if message is not None else {"role": "assistant", "content": text},
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
 
 
 def chat_chunk_choice(
-    index: int, delta: dict[str, str], finish_reason: str | None, logprobs: dict | None = None
+    index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict | None = None
 ) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 

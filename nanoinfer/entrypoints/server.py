@@ -3,12 +3,19 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming over server-sent events or
 not), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus), and vLLM's POST
 /tokenize, POST /detokenize, GET /version, GET|POST /ping. Prompts are rendered and tokenized here, on
-a worker thread of their own (never on the event loop), so that the engine thread only runs the model and
-no request stalls the others. What one request may cost is bounded by :class:`ServerLimits`.
+a worker thread of their own (never on the event loop), so that the engine only runs the model and no
+request stalls the others. What one request may cost is bounded by :class:`ServerLimits`.
 
 Fields a request leaves out take the model's default sampling parameters (``generation_config``). While
 requests run, a log line every STATS_LOG_INTERVAL_S gives the throughput and the KV cache usage (vLLM's),
 unless ``disable_log_stats``.
+
+`run_server` runs the engine core in a process of its own by default (this process then does HTTP,
+tokenization, detokenization and streaming), or on a thread of this one. Its life cycle: if the engine
+stops by itself, every unfinished request fails (an error event in a stream, 503 otherwise), /health
+answers 503 and the server exits with status 1; SIGINT/SIGTERM stop taking connections, let in-flight
+requests finish for up to ``shutdown_timeout_s``, then end those still open with an error (never a
+silently cut stream), stop the engine and exit with status 0.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -40,6 +48,12 @@ import nanoinfer
 from nanoinfer.entrypoints import openai_protocol as protocol
 from nanoinfer.entrypoints.http_limits import ServerLimits, header_timeout_protocol
 from nanoinfer.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from nanoinfer.entrypoints.structured_requests import (
+    ChatOutputParser,
+    ChatStreamParser,
+    ToolOptions,
+    request_constraint,
+)
 from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from nanoinfer.metrics import ServingMetrics
 from nanoinfer.outputs import Logprob, PositionLogprobs, RequestOutput
@@ -49,8 +63,10 @@ logger = logging.getLogger(__name__)
 
 # OpenAI's default for /v1/completions; chat requests default to the rest of the context instead.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# After SIGINT/SIGTERM, responses still streaming this long are cancelled (which aborts their requests).
-GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+# After SIGINT/SIGTERM, in-flight requests may finish for this long; then those still open end with an error.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
+# How long after that uvicorn waits for them to send their last bytes before it cancels them.
+SHUTDOWN_FINAL_SEND_S = 2.0
 # Seconds between the periodic statistics log lines (vLLM's interval).
 STATS_LOG_INTERVAL_S = 10.0
 
@@ -66,6 +82,7 @@ class OpenAIServer:
         limits: ServerLimits | None = None,
         tokenizer: Any = None,
         stats_log_interval_s: float = STATS_LOG_INTERVAL_S,
+        tool_options: ToolOptions | None = None,
     ):
         if not served_model_names or not all(isinstance(n, str) and n for n in served_model_names):
             raise ValueError(f"served_model_names must be non-empty strings, got {served_model_names!r}")
@@ -89,6 +106,11 @@ class OpenAIServer:
             # A tokenizer of our own: the engine thread uses the engine's concurrently.
             tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template_text)
         self.tokenizer = tokenizer
+        self.tool_options = tool_options if tool_options is not None else ToolOptions()
+        # The tokenizer's added tokens (Qwen3's <tool_call>): a tool-call constraint names them as tokens.
+        self._special_tokens = frozenset(
+            t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+        )
         # Arguments of apply_chat_template itself: chat_template_kwargs are template variables only.
         self._reserved_template_kwargs = set(inspect.signature(tokenizer.apply_chat_template).parameters)
         # One thread renders and tokenizes prompts, one request at a time: a fast tokenizer object is not
@@ -335,9 +357,7 @@ class OpenAIServer:
                 code="context_length_exceeded",
             )
 
-    def _render_chat(
-        self, request: ChatCompletionRequest | protocol.TokenizeChatRequest, tools: list | None = None
-    ) -> str:
+    def _render_chat(self, request: ChatCompletionRequest | protocol.TokenizeChatRequest) -> str:
         """The prompt text the chat template makes of the request's messages. Runs on the tokenizer
         thread."""
         messages = [m.template_input() for m in request.messages]
@@ -345,7 +365,7 @@ class OpenAIServer:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
-                tools=tools,
+                tools=request.tools or None,
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
@@ -360,7 +380,7 @@ class OpenAIServer:
         """vLLM's /tokenize answer. Runs on the tokenizer thread."""
         if isinstance(request, protocol.TokenizeChatRequest):
             self._check_template_kwargs(request.chat_template_kwargs)
-            text = self._render_chat(request, request.tools)
+            text = self._render_chat(request)
         else:
             text = request.prompt
             self._check_prompt_chars(text, "prompt")
@@ -368,17 +388,21 @@ class OpenAIServer:
         token_strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return protocol.tokenize_response(ids, self.max_model_len, token_strs)
 
-    def _prompt_token_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
-        """Renders (chat) and tokenizes the request's prompts. Runs on the tokenizer thread."""
+    def _prompt_token_ids(
+        self, request: CompletionRequest | ChatCompletionRequest
+    ) -> tuple[list[list[int]], str | None]:
+        """Renders (chat) and tokenizes the request's prompts; also returns a chat prompt's text. Runs on
+        the tokenizer thread."""
         if isinstance(request, ChatCompletionRequest):
             # The template already contains every special token the model expects.
-            return [self.tokenizer.encode(self._render_chat(request), add_special_tokens=False)]
+            text = self._render_chat(request)
+            return [self.tokenizer.encode(text, add_special_tokens=False)], text
         prompts = request.prompts()
         for p in prompts:
             if isinstance(p, str):
                 self._check_prompt_chars(p, "prompt")
         # Text is tokenized exactly as LLMEngine.add_request tokenizes it.
-        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts], None
 
     async def _on_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
@@ -440,22 +464,29 @@ class OpenAIServer:
         if not self.async_llm.is_healthy:
             raise APIError(f"the engine is not running: {self.async_llm.error}", status_code=503)
         self._check_limits(request)
-        prompts = await self._on_tokenizer_thread(self._prompt_token_ids, request)
+        constraint = request_constraint(request, self._special_tokens)
+        prompts, chat_text = await self._on_tokenizer_thread(self._prompt_token_ids, request)
+        parser = ChatOutputParser(request, self.tool_options, chat_text) if chat else None
         echo = None
         if not chat and request.echo:
             echo = _Echo(prompts, await self._on_tokenizer_thread(self._echo_texts, request, prompts))
         # A stream consumes each step's new text only; a whole response, the final output only.
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = [
-            dataclasses.replace(self._sampling_params(request, len(ids)), output_kind=kind) for ids in prompts
+            dataclasses.replace(
+                self._sampling_params(request, len(ids)), output_kind=kind, structured_outputs=constraint
+            )
+            for ids in prompts
         ]
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = await self._add_requests(response_id, prompts, params, request)
         reply = _Reply(
-            response_id, model, chat, [len(p) for p in prompts], params[0], self._decode_token, echo
+            response_id, model, chat, [len(p) for p in prompts], params[0], self._decode_token, echo, parser
         )
         if request.stream:
-            events = reply.stream_events(streams, request.include_usage_in_stream)
+            events = reply.stream_events(
+                streams, request.include_usage_in_stream, request.continuous_usage_in_stream
+            )
             return _EventStreamResponse(events, streams)
         try:
             finals = await _unless_disconnected(raw_request, _collect_final_outputs(streams))
@@ -490,6 +521,8 @@ class OpenAIServer:
                 named = str(e).split(" ", 1)[0]
                 prompt_field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
                 param = named if named in type(request).model_fields else prompt_field
+                if named.startswith("structured_outputs."):
+                    param = _constraint_field(request)
                 raise APIError(str(e), param=param) from e
             if isinstance(e, EngineDeadError):
                 raise APIError(str(e), status_code=503) from e
@@ -517,6 +550,7 @@ class _Reply:
         params: SamplingParams,
         decode: protocol.TokenDecoder,
         echo: _Echo | None = None,
+        parser: ChatOutputParser | None = None,
     ):
         self.response_id = response_id
         self.model = model
@@ -528,6 +562,8 @@ class _Reply:
         self.num_top_logprobs = params.logprobs
         self.decode = decode
         self.echo = echo
+        # Chat only, when reasoning or tool calls are split out of the text.
+        self.parser = parser if parser is not None and parser.active else None
 
     def _choice_index(self, prompt_index: int, completion_index: int) -> int:
         return prompt_index * self.num_choices + completion_index
@@ -562,11 +598,21 @@ class _Reply:
                     text, token_ids, logprobs = self._with_echo(
                         prompt_index, finals[prompt_index], text, token_ids, logprobs
                     )
-                choices.append(build(index, text, c.finish_reason, self._logprobs(token_ids, logprobs, 0)))
+                finish_reason, message = c.finish_reason, None
+                if self.parser is not None:
+                    message, finish_reason = self.parser.message(text, finish_reason)
+                logprobs_body = self._logprobs(token_ids, logprobs, 0)
+                if message is not None:
+                    choices.append(build(index, text, finish_reason, logprobs_body, message))
+                else:
+                    choices.append(build(index, text, finish_reason, logprobs_body))
                 num_generated += len(c.token_ids)
         object_type = "chat.completion" if self.chat else "text_completion"
         usage = protocol.usage(self.num_prompt_tokens, num_generated)
         return protocol.response_body(object_type, self.response_id, self.created, self.model, choices, usage)
+
+    def _usage(self, num_generated: int) -> dict[str, int]:
+        return protocol.usage(self.num_prompt_tokens, num_generated)
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         object_type = "chat.completion.chunk" if self.chat else "text_completion"
@@ -574,15 +620,19 @@ class _Reply:
             protocol.response_body(object_type, self.response_id, self.created, self.model, choices, usage)
         )
 
-    async def stream_events(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+    async def stream_events(
+        self, streams: list[RequestStream], include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[str]:
         """The SSE events of a streamed response, from the requests' DELTA outputs: one event per engine
-        step with every choice that has new text. Closing this generator aborts unfinished requests."""
+        step with every choice that has new text (all of it, however many tokens the step made), and with
+        ``continuous_usage`` the usage so far in each. Closing this generator aborts unfinished requests."""
         num_generated: dict[int, int] = {}
         # Per choice: tokens (with logprobs) not yet sent because they do not complete a character yet,
         # and (legacy logprobs) the text offset reached.
         unsent: dict[int, tuple[list[int], list]] = {}
         text_offsets: dict[int, int] = {}
         echoed: set[int] = set()  # choices whose first chunk (with the echoed prompt) went out
+        parsers: dict[int, ChatStreamParser] = {}
         try:
             if self.chat:
                 # OpenAI opens each chat choice with the role before any content.
@@ -592,7 +642,7 @@ class _Reply:
                     for p in range(self.num_prompts)
                     for c in range(self.num_choices)
                 ]
-                yield self._chunk(roles)
+                yield self._chunk(roles, self._usage(0) if continuous_usage else None)
             async with contextlib.aclosing(_merge_streams(streams)) as outputs:
                 async for prompt_index, output in outputs:
                     choices = []
@@ -615,21 +665,58 @@ class _Reply:
                             last = choice_logprobs["text_offset"][-1] + len(choice_logprobs["tokens"][-1])
                             text_offsets[index] = last
                         if self.chat:
-                            delta = {"content": text} if text else {}
+                            finish_reason = c.finish_reason
+                            if self.parser is None:
+                                delta = {"content": text} if text else {}
+                            else:
+                                stream_parser = parsers.get(index)
+                                if stream_parser is None:
+                                    stream_parser = parsers[index] = self.parser.stream()
+                                deltas = stream_parser.feed(text) if text else []
+                                if finish_reason is not None:
+                                    deltas += stream_parser.finish()
+                                    if finish_reason == "stop" and stream_parser.tools_called:
+                                        finish_reason = "tool_calls"
+                                delta = _merge_deltas(deltas)
+                                if not delta and finish_reason is None and choice_logprobs is None:
+                                    continue  # held back by the parser (a possible tag)
                             choices.append(
-                                protocol.chat_chunk_choice(index, delta, c.finish_reason, choice_logprobs)
+                                protocol.chat_chunk_choice(index, delta, finish_reason, choice_logprobs)
                             )
                         else:
                             choices.append(
                                 protocol.completion_choice(index, text, c.finish_reason, choice_logprobs)
                             )
                     if choices:
-                        yield self._chunk(choices)
+                        usage = self._usage(sum(num_generated.values())) if continuous_usage else None
+                        yield self._chunk(choices, usage)
             if include_usage:
-                yield self._chunk([], protocol.usage(self.num_prompt_tokens, sum(num_generated.values())))
+                yield self._chunk([], self._usage(sum(num_generated.values())))
         except (EngineDeadError, RequestFailedError, ValueError) as e:
             yield protocol.sse_event(protocol.error_body(str(e), "server_error"))
         yield protocol.SSE_DONE
+
+
+def _merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's parser deltas as one chunk's delta: text fields joined, tool-call entries in order
+    (the client merges entries of the same call index)."""
+    merged: dict[str, Any] = {}
+    for delta in deltas:
+        for key, value in delta.items():
+            if key == "tool_calls":
+                merged.setdefault("tool_calls", []).extend(value)
+            else:
+                merged[key] = merged.get(key, "") + value
+    return merged
+
+
+def _constraint_field(request: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request field that carried the output constraint (for a 400's ``param``)."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar"):  # fmt: skip
+        if getattr(request, name, None) is not None:
+            return name
+    return "tool_choice" if getattr(request, "tools", None) else "structured_outputs"
 
 
 async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -800,6 +887,31 @@ def _client_address(request: Request) -> str:
     return f"{client.host}:{client.port}" if client else "?"
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown (SIGINT, SIGTERM, should_exit) lets in-flight requests
+    finish for ``drain_timeout_s`` seconds and then calls ``end_requests`` (on a worker thread), which
+    ends those still open with an error of their own. Only requests that still have not ended when
+    uvicorn's ``timeout_graceful_shutdown`` (set longer) is over are cancelled, which cuts a stream short."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float, end_requests: Callable[[], None]):
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+        self.end_requests = end_requests
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        loop = asyncio.get_running_loop()
+
+        def drain_timeout() -> None:
+            logger.warning("ending the requests still open %g s into the shutdown", self.drain_timeout_s)
+            loop.run_in_executor(None, self.end_requests)
+
+        timer = loop.call_later(self.drain_timeout_s, drain_timeout)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 def run_server(
     model: str,
     host: str = "127.0.0.1",
@@ -808,20 +920,29 @@ def run_server(
     served_model_names: list[str] | None = None,
     limits: ServerLimits | None = None,
     log_level: str = "info",
+    engine_process: bool = True,
+    shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     **engine_kwargs: Any,
 ) -> int:
-    """Loads the model and serves it until SIGINT/SIGTERM; then stops the engine thread. Returns the exit
-    status: 0 after a requested shutdown, 1 when the engine stopped by itself (a device error, a dead
-    tensor-parallel worker): then no request can be served, and the process must end rather than answer
-    503 forever."""
-    import uvicorn
-
+    """Loads the model and serves it until SIGINT/SIGTERM (see the module's docstring); then stops the
+    engine. ``engine_process``: the engine core runs in a process of its own (else on a thread of this
+    one). Returns the exit status: 0 after a requested shutdown, 1 when the engine stopped by itself (a
+    device error, a dead tensor-parallel worker, a killed engine process): then no request can be served,
+    and the process must end rather than answer 503 forever."""
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
+    if not isinstance(shutdown_timeout_s, int | float) or not 0 <= shutdown_timeout_s < float("inf"):
+        raise ValueError(f"shutdown_timeout_s must be a finite number >= 0, got {shutdown_timeout_s!r}")
     limits = limits if limits is not None else ServerLimits()
-    async_llm = AsyncLLM.from_kwargs(model, **engine_kwargs)
+    tool_options = ToolOptions(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    async_llm = AsyncLLM.from_kwargs(model, engine_process=engine_process, **engine_kwargs)
     try:
-        server = OpenAIServer(async_llm, served_model_names or [model], api_key, limits)
+        server = OpenAIServer(
+            async_llm, served_model_names or [model], api_key, limits, tool_options=tool_options
+        )
         for line in server.startup_lines():
             logger.info("%s", line)
         config = uvicorn.Config(
@@ -830,10 +951,12 @@ def run_server(
             port=port,
             log_level=log_level,
             http=header_timeout_protocol(limits.header_timeout_s),
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+            timeout_graceful_shutdown=shutdown_timeout_s + SHUTDOWN_FINAL_SEND_S,
         )
-        uv_server = uvicorn.Server(config)
-        # Called on the engine thread; uvicorn polls should_exit, so setting it from there is enough.
+        # Shutting the engine down fails every unfinished request with EngineDeadError: a stream then
+        # ends with an error event, a whole response with 503.
+        uv_server = _DrainingServer(config, shutdown_timeout_s, async_llm.shutdown)
+        # Called on the engine's thread; uvicorn polls should_exit, so setting it from there is enough.
         async_llm.on_engine_dead(lambda _: setattr(uv_server, "should_exit", True))
         if threading.current_thread() is threading.main_thread():
             # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again with the

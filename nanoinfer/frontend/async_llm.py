@@ -1,9 +1,25 @@
-"""`AsyncLLM`: the engine behind an asyncio server.
+"""`AsyncLLM`: the engine behind an asyncio server, run in one of two ways.
 
-One background thread owns an LLMEngine (it is not thread-safe) and runs its loop: it applies queued
-commands (add, abort, inspect), runs one ``step()`` while any request is unfinished, and hands every
-step's outputs to the asyncio side in one batch per event loop. Requests added while the engine runs
-join the batch at the next step. When there is nothing to do the thread blocks on its command queue.
+**On a thread of this process** (``AsyncLLM(engine_factory)``, ``from_kwargs(model)``): one background
+thread owns an LLMEngine (it is not thread-safe) and runs its loop: it applies queued commands (add,
+abort, inspect), runs one ``step()`` while any request is unfinished, and hands every step's outputs to
+the asyncio side in one batch per event loop. Requests added while the engine runs join the batch at the
+next step. When there is nothing to do the thread blocks on its command queue.
+
+**With the engine core in a process of its own** (``AsyncLLM.with_engine_process(config)``,
+``from_kwargs(model, engine_process=True)``): this process keeps the frontend and the core's process only
+runs the model, so the core's step loop never shares an interpreter (and its GIL) with HTTP, JSON and
+text work. Requests are validated and tokenized here (token ids: on the caller's event loop; text: on an
+input thread of their own) and sent to the core as EngineRequests; aborts go as core request ids. Each
+core step's new token ids arrive in one batch on the EngineCoreProcess's receiver thread, which turns
+them into RequestOutputs (detokenization, stop strings: the output processor) and posts them to their
+streams, one hop per event loop. A stop string found here aborts the core request. Nothing here waits
+for the engine: sends never block, and a slow consumer only lets its own stream's outputs pile up (they
+are merged, see RequestStream). One lock guards the output processor and the table of streams, which the
+event loops (add, abort) and the receiver thread (outputs) share. Every add gets a core id of its own
+(the user's id and a counter), so that outputs of an aborted request still on their way can never be
+credited to a later request that reuses its id. If the engine process dies, every unfinished request
+fails at once with EngineDeadError and the death callbacks run.
 
 Outputs come in each request's own output kind: a server streams DELTA outputs (only the new text and
 token ids) and asks FINAL_ONLY for whole responses, so per-step work is proportional to the new tokens.
@@ -14,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -22,12 +39,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from nanoinfer.frontend.output_processor import RequestStatsListener
+from nanoinfer.frontend.core_client import EngineCoreDeadError, EngineCoreProcess
+from nanoinfer.frontend.input_processor import InputProcessor, PromptType, completion_seed
+from nanoinfer.frontend.output_processor import OutputProcessor, RequestStatsListener
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from nanoinfer.frontend.input_processor import PromptType
+    from nanoinfer.config import EngineConfig
+    from nanoinfer.engine import wire
+    from nanoinfer.engine.core import EngineCore
     from nanoinfer.frontend.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -155,14 +176,15 @@ class RequestStream:
         return replace(base, outputs=completions, finished=True)
 
     def abort(self) -> None:
-        """Stops the request and frees its KV blocks (soon, on the engine thread); no-op once finished."""
+        """Stops the request and frees its KV blocks (soon, in the engine); no-op once finished."""
         if not self.finished:
             self.finished = True
             self._async_llm._abort(self.request_id, self)
 
 
 class AsyncLLM:
-    """An LLMEngine driven by one background thread, with an asyncio API.
+    """An engine with an asyncio API: an LLMEngine on a background thread of this process, or (see
+    :meth:`with_engine_process`) an engine core in a process of its own. Both behave the same to callers.
 
     ``engine_factory`` is called on the engine thread, so thread-local torch state (grad mode, current
     CUDA device) set while building the engine holds while it runs. The constructor blocks until the
@@ -172,94 +194,99 @@ class AsyncLLM:
     def __init__(
         self, engine_factory: Callable[[], LLMEngine], stats_listener: RequestStatsListener | None = None
     ):
-        self._stats_listener = stats_listener
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        # Guards _dead so that no command is queued after the engine thread drained the queue for good.
-        self._lock = threading.Lock()
-        self._dead: EngineDeadError | None = None
-        self._crashed = False
-        self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._engine: LLMEngine | None = None
-        self._last_stats: dict[str, int] = {}
-        ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(engine_factory, ready), name="nanoinfer-engine", daemon=True
-        )
-        self._thread.start()
-        ready.result()
+        self._driver: _EngineThread | _EngineProcess = _EngineThread(engine_factory, stats_listener)
+
+    @classmethod
+    def with_engine_process(
+        cls,
+        config: EngineConfig,
+        stats_listener: RequestStatsListener | None = None,
+        *,
+        ready_timeout: float = 600.0,
+        core_factory: Callable[[EngineConfig], EngineCore] | None = None,
+    ) -> AsyncLLM:
+        """An AsyncLLM whose engine core runs in a spawned process (see the module's docstring); this
+        process loads the tokenizer and keeps the input and output processing. Blocks until the core is
+        ready; raises RuntimeError (with the engine process's traceback) if it fails to start, or
+        TimeoutError after ``ready_timeout`` seconds. ``core_factory`` builds the core in the engine
+        process (a picklable callable; tests only)."""
+        llm = cls.__new__(cls)
+        llm._driver = _EngineProcess(config, stats_listener, ready_timeout, core_factory)
+        return llm
 
     @classmethod
     def from_kwargs(
-        cls, model: str, stats_listener: RequestStatsListener | None = None, **engine_kwargs: Any
+        cls,
+        model: str,
+        stats_listener: RequestStatsListener | None = None,
+        *,
+        engine_process: bool = False,
+        **engine_kwargs: Any,
     ) -> AsyncLLM:
+        """``engine_process``: run the engine core in a process of its own (:meth:`with_engine_process`)
+        rather than on a thread of this one."""
+        if engine_process:
+            from nanoinfer.config import EngineConfig
+
+            return cls.with_engine_process(EngineConfig.from_kwargs(model, **engine_kwargs), stats_listener)
         from nanoinfer.frontend.llm_engine import LLMEngine
 
         return cls(lambda: LLMEngine.from_kwargs(model, **engine_kwargs), stats_listener)
 
     @property
     def stats_listener(self) -> RequestStatsListener | None:
-        return self._stats_listener
+        return self._driver.stats_listener
 
     @stats_listener.setter
     def stats_listener(self, listener: RequestStatsListener | None) -> None:
-        """Timings of every request from now on (the engine's output processor reports them)."""
-        self._stats_listener = listener
-        self._engine.output_processor.stats_listener = listener
+        """Timings of every request from now on (the output processor reports them)."""
+        self._driver.set_stats_listener(listener)
 
     @property
-    def config(self):
+    def config(self) -> EngineConfig:
         """The engine's EngineConfig (read-only after construction)."""
-        return self._engine.config
+        return self._driver.config
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine core's process id, or None when the engine runs on a thread of this process."""
+        return self._driver.engine_pid
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None
+        return self._driver.dead is None
 
     @property
     def error(self) -> EngineDeadError | None:
-        """Why the engine loop stopped, or None while it runs."""
-        return self._dead
+        """Why the engine stopped, or None while it runs."""
+        return self._driver.dead
 
     @property
     def crashed(self) -> bool:
-        """The engine loop stopped by itself (an error no single request caused), not by shutdown()."""
-        return self._crashed
+        """The engine stopped by itself (an error no single request caused, or its process died), not by
+        shutdown()."""
+        return self._driver.crashed
 
     def on_engine_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
-        """``callback(error)`` runs once, on the engine thread, when the loop crashes (not on shutdown)."""
-        with self._lock:
-            if self._dead is None:
-                self._death_callbacks.append(callback)
-                return
-        if self._crashed:
-            callback(self._dead)
+        """``callback(error)`` runs once when the engine crashes (not on shutdown): on the engine thread,
+        or on the engine process's receiver thread. Registered after a crash, it runs at once."""
+        self._driver.on_dead(callback)
 
     # -- public API ------------------------------------------------------------------------------------
 
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
     ) -> RequestStream:
-        """Queues a request and waits until the engine accepted it.
+        """Validates and queues a request: once this returns, the engine has it (on a thread: it accepted
+        it; in a process: it was sent, and the core takes it before its next step).
 
-        Raises the engine's ValueError (bad prompt, duplicate id, prompt too long) with nothing
-        allocated, or EngineDeadError. The caller must iterate the stream to its end or abort it.
+        Raises ValueError (bad prompt, duplicate id, prompt too long) with nothing allocated, or
+        EngineDeadError. The caller must iterate the stream to its end or abort it.
         """
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop)
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
         params = params if params is not None else SamplingParams()
         stream._kind = params.output_kind
-        accepted = loop.create_future()
-        self._submit(_AddCommand(request_id, prompt, params, stream, accepted, time.time()))
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            # The add may still succeed on the engine thread; the abort queued behind it undoes it.
-            stream.abort()
-            raise
-        except BaseException:
-            stream.finished = True
-            raise
+        await self._driver.add(request_id, prompt, params, stream)
         return stream
 
     async def generate(
@@ -281,67 +308,148 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Removes the request wherever it is (waiting, running, mid-prefill) and frees its KV blocks.
 
-        Thread-safe and non-blocking: the abort runs on the engine thread before its next step. The
-        request's stream, if someone iterates it, ends with finish_reason "abort".
+        Thread-safe and non-blocking: the engine drops it before its next step. The request's stream, if
+        someone iterates it, ends with finish_reason "abort".
         """
         self._abort(request_id, None)
 
     async def get_stats(self) -> dict[str, int]:
-        """``LLMEngine.stats()`` taken on the engine thread after every command queued before this call.
+        """``EngineCore.stats()`` taken by the engine after everything queued before this call.
 
         After the engine stopped, returns the last stats it reported.
         """
         try:
-            return await asyncio.wrap_future(self._submit_call(self._take_stats))
+            return await asyncio.wrap_future(self._driver.stats_future())
         except EngineDeadError:
-            return dict(self._last_stats)
+            return dict(self._driver.last_stats)
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:
-        """Blocking version of :meth:`get_stats` for other threads (never the engine thread itself)."""
+        """Blocking version of :meth:`get_stats` for other threads (never the engine's own threads)."""
         try:
-            return self._submit_call(self._take_stats).result(timeout)
+            return self._driver.stats_future().result(timeout)
         except EngineDeadError:
-            return dict(self._last_stats)
+            return dict(self._driver.last_stats)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stops the engine thread: unfinished requests fail with EngineDeadError; the engine is closed."""
-        with self._lock:
-            if self._dead is None:
+        """Stops the engine (its thread, or its process): unfinished requests fail with EngineDeadError
+        and the engine is closed. Waits up to ``timeout`` seconds (then an engine process is killed).
+        Idempotent."""
+        self._driver.shutdown(timeout)
+
+    def _abort(self, request_id: str, stream: RequestStream | None) -> None:
+        self._driver.abort(request_id, stream)
+
+
+class _Driver:
+    """What both ways of running the engine share: whether it stopped and why, and the crash callbacks."""
+
+    def __init__(self, stats_listener: RequestStatsListener | None):
+        self.stats_listener = stats_listener
+        self.lock = threading.Lock()
+        self.dead: EngineDeadError | None = None
+        self.crashed = False
+        self.last_stats: dict[str, int] = {}  # what get_stats answers once the engine has stopped
+        self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
+
+    def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        with self.lock:
+            if self.dead is None:
+                self._death_callbacks.append(callback)
+                return
+        if self.crashed:
+            callback(self.dead)
+
+    def _run_death_callbacks(self, error: EngineDeadError) -> None:
+        for callback in self._death_callbacks:
+            try:
+                callback(error)
+            except Exception:
+                logger.exception("an engine-death callback failed")
+
+
+class _EngineThread(_Driver):
+    """An LLMEngine owned by one background thread, driven by commands from any thread."""
+
+    engine_pid = None
+
+    def __init__(self, engine_factory: Callable[[], LLMEngine], stats_listener: RequestStatsListener | None):
+        super().__init__(stats_listener)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # self.lock also guards self.dead so that no command is queued after the engine thread drained
+        # the queue for good.
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._engine: LLMEngine | None = None
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self.thread = threading.Thread(
+            target=self._run, args=(engine_factory, ready), name="nanoinfer-engine", daemon=True
+        )
+        self.thread.start()
+        ready.result()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._engine.config
+
+    def set_stats_listener(self, listener: RequestStatsListener | None) -> None:
+        self.stats_listener = listener
+        self._engine.output_processor.stats_listener = listener
+
+    async def add(self, request_id: str, prompt: Any, params: SamplingParams, stream: RequestStream) -> None:
+        accepted = stream._loop.create_future()
+        self._submit(_AddCommand(request_id, prompt, params, stream, accepted, time.time()))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            # The add may still succeed on the engine thread; the abort queued behind it undoes it.
+            stream.abort()
+            raise
+        except BaseException:
+            stream.finished = True
+            raise
+
+    def abort(self, request_id: str, stream: RequestStream | None) -> None:
+        with contextlib.suppress(EngineDeadError):  # a dead engine holds no requests
+            self._submit(_AbortCommand(request_id, stream))
+
+    def stats_future(self) -> concurrent.futures.Future:
+        """Raises EngineDeadError once the engine stopped; the future fails with it if it stops first."""
+        return self.submit_call(self._take_stats)
+
+    def shutdown(self, timeout: float | None) -> None:
+        with self.lock:
+            if self.dead is None:
                 self._commands.put(_StopCommand())
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
 
     # -- submitting commands ---------------------------------------------------------------------------
 
     def _submit(self, command: Any) -> None:
-        with self._lock:
-            if self._dead is not None:
-                raise self._dead
+        with self.lock:
+            if self.dead is not None:
+                raise self.dead
             self._commands.put(command)
 
-    def _submit_call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+    def submit_call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Runs ``fn(engine)`` on the engine thread between two steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(_CallCommand(fn, future))
         return future
 
-    def _abort(self, request_id: str, stream: RequestStream | None) -> None:
-        with contextlib.suppress(EngineDeadError):  # a dead engine holds no requests
-            self._submit(_AbortCommand(request_id, stream))
-
     # -- the engine thread -----------------------------------------------------------------------------
 
     def _take_stats(self, engine: LLMEngine) -> dict[str, int]:
-        self._last_stats = engine.stats()  # what get_stats answers once the engine has stopped
-        return dict(self._last_stats)
+        self.last_stats = engine.stats()
+        return dict(self.last_stats)
 
     def _run(self, engine_factory: Callable[[], LLMEngine], ready: concurrent.futures.Future) -> None:
         try:
             self._engine = engine_factory()
-            self._engine.output_processor.stats_listener = self._stats_listener
+            self._engine.output_processor.stats_listener = self.stats_listener
             self._take_stats(self._engine)
         except BaseException as e:
-            with self._lock:
-                self._dead = EngineDeadError(f"the engine failed to start: {e!r}")
+            with self.lock:
+                self.dead = EngineDeadError(f"the engine failed to start: {e!r}")
             ready.set_exception(e)
             return
         ready.set_result(None)
@@ -355,14 +463,10 @@ class AsyncLLM:
             logger.exception("the engine loop crashed")
             error = EngineDeadError(f"the engine loop crashed: {e!r}")
             error.__cause__ = e
-            self._crashed = True
+            self.crashed = True
         self._stop(engine, error)
-        if self._crashed:
-            for callback in self._death_callbacks:
-                try:
-                    callback(error)
-                except Exception:
-                    logger.exception("an engine-death callback failed")
+        if self.crashed:
+            self._run_death_callbacks(error)
 
     def _apply_commands(self, block: bool) -> bool:
         """Runs every queued command (waiting for one if ``block``); False once asked to stop."""
@@ -421,14 +525,13 @@ class AsyncLLM:
 
     def _stop(self, engine: LLMEngine, error: EngineDeadError) -> None:
         """Fails every unfinished request and every queued command with ``error``; closes the engine."""
-        with self._lock:
-            self._dead = error
+        with self.lock:
+            self.dead = error
         try:
             self._take_stats(engine)
         except Exception:
             logger.exception("engine.stats() failed while stopping")
-        for stream in self._streams.values():
-            _post(stream._loop, [(stream, error)])
+        _fail_streams(list(self._streams.values()), error)
         self._streams.clear()
         while True:
             try:
@@ -443,6 +546,201 @@ class AsyncLLM:
             engine.close()
         except Exception:
             logger.exception("engine.close() failed")
+
+
+class _EngineProcess(_Driver):
+    """An engine core in a process of its own (EngineCoreProcess), with the input and output processing
+    in this one."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        stats_listener: RequestStatsListener | None,
+        ready_timeout: float,
+        core_factory: Callable[[EngineConfig], EngineCore] | None,
+    ):
+        from nanoinfer.models.checkpoint import load_tokenizer
+
+        super().__init__(stats_listener)
+        self.config = config
+        # A tokenizer each for tokenizing (event loops, the input thread) and detokenizing (the receiver
+        # thread): a fast tokenizer object is not safe for concurrent calls.
+        input_tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template_text)
+        output_tokenizer = load_tokenizer(config.model, config.tokenizer)
+        # self.lock guards the output processor, self._streams and the sending of adds and aborts (so that
+        # an abort never overtakes its add), as well as self.dead.
+        self._output_processor = OutputProcessor(output_tokenizer, stats_listener)
+        self._streams: dict[str, RequestStream] = {}  # by the user's request id
+        self._core_ids = itertools.count()
+        # Text prompts are tokenized here, one at a time, off the event loops.
+        self._input_thread = concurrent.futures.ThreadPoolExecutor(1, "nanoinfer-input")
+        self._client = EngineCoreProcess(
+            config, self._on_outputs, self._on_dead, ready_timeout=ready_timeout, core_factory=core_factory
+        )
+        self.engine_pid = self._client.pid
+        self.last_stats = dict(self._client.ready.stats)
+        self._input_processor = InputProcessor(config, input_tokenizer, self._client.num_kv_blocks)
+        logger.info("the engine core runs in process %d", self.engine_pid)
+
+    def set_stats_listener(self, listener: RequestStatsListener | None) -> None:
+        with self.lock:
+            self.stats_listener = listener
+            self._output_processor.stats_listener = listener
+
+    async def add(self, request_id: str, prompt: Any, params: SamplingParams, stream: RequestStream) -> None:
+        try:
+            await self._add(request_id, prompt, params, stream)
+        except BaseException:
+            stream.finished = True
+            raise
+
+    async def _add(self, request_id: str, prompt: Any, params: SamplingParams, stream: RequestStream) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if self.dead is not None:
+            raise self.dead
+        process = self._input_processor.process
+        args = (f"{request_id}@{next(self._core_ids)}", prompt, params, time.time())
+        # Compiling a constraint (and, the first time, the grammar compiler) is off the event loop too.
+        constrained = isinstance(params, SamplingParams) and params.structured_outputs is not None
+        if _needs_tokenizing(prompt) or constrained:
+            try:
+                request = await stream._loop.run_in_executor(self._input_thread, process, *args)
+            except RuntimeError:  # the input thread is gone: shut down since the check above
+                if self.dead is not None:
+                    raise self.dead from None
+                raise
+        else:
+            request = process(*args)
+        # The user's id for the outputs; the children (the core's requests) keep the unique one.
+        request.request_id = request_id
+        for child in request.children:
+            child.params = _sendable(child.params)
+        with self.lock:
+            if self.dead is not None:
+                raise self.dead
+            self._output_processor.add_request(request)  # raises ValueError for an id in use
+            try:
+                self._client.add_requests(request.children)
+            except BaseException as e:
+                self._output_processor.abort_request(request_id)
+                if isinstance(e, EngineCoreDeadError):
+                    raise EngineDeadError(f"the engine process stopped: {_summary(str(e))}") from e
+                raise
+            self._streams[request_id] = stream
+
+    def abort(self, request_id: str, stream: RequestStream | None) -> None:
+        with self.lock:
+            current = self._streams.get(request_id)
+            if current is None or (stream is not None and current is not stream):
+                return
+            del self._streams[request_id]
+            core_ids = self._output_processor.abort_request(request_id)
+            with contextlib.suppress(EngineCoreDeadError):  # a dead engine holds no requests
+                self._client.abort_requests(core_ids)
+            _post(current._loop, [(current, _ABORTED)])
+
+    def stats_future(self) -> concurrent.futures.Future:
+        """Raises EngineDeadError once the engine stopped; the future fails with it if it stops first."""
+        if self.dead is not None:
+            raise self.dead
+        try:
+            call = self._client.call_future("stats")
+        except EngineCoreDeadError as e:
+            raise EngineDeadError(str(e)) from None
+        stats: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle(done: concurrent.futures.Future) -> None:
+            error = done.exception()
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by its caller
+                if error is None:
+                    self.last_stats = done.result()
+                    stats.set_result(dict(self.last_stats))
+                elif isinstance(error, EngineCoreDeadError):
+                    stats.set_exception(EngineDeadError(str(error)))
+                else:
+                    stats.set_exception(error)
+
+        call.add_done_callback(settle)
+        return stats
+
+    def shutdown(self, timeout: float | None) -> None:
+        error = EngineDeadError("the engine was shut down")
+        with self.lock:
+            first = self.dead is None
+            if first:
+                self.dead = error
+                streams, self._streams = list(self._streams.values()), {}
+        if first:
+            _fail_streams(streams, error)
+            # A prompt being tokenized meanwhile finishes; its add then fails with the error.
+            self._input_thread.shutdown(wait=False)
+        self._client.shutdown(timeout)
+
+    # -- the receiver thread ---------------------------------------------------------------------------
+
+    def _on_outputs(self, batch: wire.Outputs) -> None:
+        with self.lock:
+            outputs, ended = self._output_processor.process_outputs(batch.outputs)
+            if ended:  # stop strings (or failures) the output processor found: the core drops them
+                with contextlib.suppress(EngineCoreDeadError):
+                    self._client.abort_requests(ended)
+            batches: dict[asyncio.AbstractEventLoop, list] = {}
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self._streams[output.request_id]
+                batches.setdefault(stream._loop, []).append((stream, output))
+            # Posted under the lock, so that an abort's end marker never overtakes these outputs.
+            for loop, items in batches.items():
+                _post(loop, items)
+
+    def _on_dead(self, text: str) -> None:
+        error = EngineDeadError(f"the engine process stopped: {_summary(text)}")
+        with self.lock:
+            if self.dead is not None:
+                return
+            self.dead = error
+            self.crashed = True
+            streams, self._streams = list(self._streams.values()), {}
+        logger.error("%s", error)
+        _fail_streams(streams, error)
+        self._run_death_callbacks(error)
+
+
+def _needs_tokenizing(prompt: Any) -> bool:
+    if isinstance(prompt, dict):
+        return "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str)
+    return isinstance(prompt, str)
+
+
+def _sendable(params: SamplingParams) -> SamplingParams:
+    """The params with a seed that msgpack can carry (64 bits). A seed may be any integer, but the core
+    only asks whether there is one: each EngineRequest carries its completion's own seed, which the input
+    processor derived from the seed's 64 bits, the ones kept here."""
+    if params.seed is None or -(1 << 63) <= params.seed < 1 << 63:
+        return params
+    return replace(params, seed=completion_seed(params.seed, 0))
+
+
+def _summary(text: str) -> str:
+    """A one-line account of the engine process's end: its first and last lines (for a traceback, what
+    failed and the exception), the whole of which the log already has."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return text.strip()
+    return f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
+def _fail_streams(streams: list[RequestStream], error: BaseException) -> None:
+    """Ends each stream with ``error``: one hop to each event loop."""
+    batches: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream in streams:
+        batches.setdefault(stream._loop, []).append((stream, error))
+    for loop, items in batches.items():
+        _post(loop, items)
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:

@@ -177,6 +177,10 @@ class OutputProcessor:
             if entry is None:  # aborted, or ended by a stop string, after this step was launched
                 continue
             state, completion = entry
+            if completion.finish_reason is not None:
+                # Ended here by a stop string while its siblings go on: an engine core in another
+                # process may have sent outputs of it before it learned of that.
+                continue
             if output.error is not None:
                 ended += self._fail(state, output.error)
                 advanced.setdefault(state.request_id, set()).update(c.index for c in state.completions)

@@ -12,6 +12,7 @@ from nanoinfer.engine.request import EngineRequest
 from nanoinfer.engine.scheduler import EngineCoreOutput
 from nanoinfer.sample.logprobs import TokenLogprobs
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
+from nanoinfer.structured.params import StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -40,11 +41,20 @@ def _params_variants() -> list[SamplingParams]:
             prompt_logprobs=0,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
+            logit_bias={5: -100.0, 151_935: 2.5},
+            allowed_token_ids=[3, 5, 9],
+            bad_words=["foo", " bar"],
+            bad_words_token_ids=[[10, 11], [12]],
+            structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {}}}),
         ),
-        SamplingParams(temperature=0.0, seed=INT64_MAX, stop="x", max_tokens=None, logprobs=0),
         SamplingParams(
-            temperature=1e-9, top_k=-1, output_kind=RequestOutputKind.FINAL_ONLY, prompt_logprobs=5
-        ),
+            temperature=0.0, seed=INT64_MAX, stop="x", max_tokens=None, logprobs=0,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"], disable_any_whitespace=False),
+        ),  # fmt: skip
+        SamplingParams(
+            temperature=1e-9, top_k=-1, output_kind=RequestOutputKind.FINAL_ONLY, prompt_logprobs=5,
+            structured_outputs=StructuredOutputsParams(regex=r"[a-z]+@x\.com"),
+        ),  # fmt: skip
     ]
 
 

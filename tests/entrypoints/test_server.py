@@ -1,13 +1,17 @@
 """The OpenAI-compatible server, end to end through the official `openai` client and raw HTTP: streaming
 equals non-streaming, concurrent streams, disconnects abort, bad input gets OpenAI-shaped errors with the
-right status and leaves no KV block behind, /metrics moves. Plus the protocol's pure pieces."""
+right status and leaves no KV block behind, /metrics moves. Each with the engine on a thread of the
+server's process and with the engine core in a process of its own. Plus the protocol's pure pieces."""
 
 import argparse
 import asyncio
 import contextlib
 import dataclasses
 import json
+import os
+import signal
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +23,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoinfer import SamplingParams
+from nanoinfer.config import EngineConfig
 from nanoinfer.entrypoints import cli_serve
 from nanoinfer.entrypoints import openai_protocol as protocol
 from nanoinfer.entrypoints.engine_args import engine_kwargs_from_args
@@ -28,6 +33,7 @@ from nanoinfer.entrypoints.server import OpenAIServer
 from nanoinfer.frontend.async_llm import AsyncLLM
 from nanoinfer.frontend.llm_engine import LLMEngine
 from nanoinfer.metrics import ServingMetrics
+from tests.entrypoints.engine_delays import FlagFile, delayed_core
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -43,27 +49,43 @@ class RunningServer:
     llm: AsyncLLM
     # While set, every engine step takes 10 ms longer: long requests stay in flight long enough for a
     # client to leave while they run.
-    slow_steps: threading.Event
+    slow_steps: FlagFile
 
 
 @contextlib.contextmanager
-def serve_in_thread(model_path: str, **server_kwargs):
-    """A real uvicorn server on a free 127.0.0.1 port, in a background thread of this process."""
-    slow_steps = threading.Event()
+def serve_in_thread(model_path: str, engine_process: bool = False, **server_kwargs):
+    """A real uvicorn server on a free 127.0.0.1 port, in a background thread of this process; its engine
+    runs on a thread of this process, or (``engine_process``) its engine core in a process of its own."""
+    with tempfile.TemporaryDirectory() as flag_directory:
+        slow_steps = FlagFile(os.path.join(flag_directory, "slow-steps"))
+        if engine_process:
+            config = EngineConfig.from_kwargs(model_path, **ENGINE_KWARGS)
+            core_factory = delayed_core(0.01, slow_steps.path)
+            llm = AsyncLLM.with_engine_process(config, ready_timeout=60, core_factory=core_factory)
+        else:
+            llm = AsyncLLM(lambda: _engine_with_slow_steps(model_path, slow_steps))
+        try:
+            with _uvicorn_in_thread(llm, slow_steps, **server_kwargs) as srv:
+                yield srv
+        finally:
+            llm.shutdown()
 
-    def factory() -> LLMEngine:
-        engine = LLMEngine.from_kwargs(model_path, **ENGINE_KWARGS)
-        step = engine.step
 
-        def maybe_slow_step():
-            if slow_steps.is_set():
-                time.sleep(0.01)
-            return step()
+def _engine_with_slow_steps(model_path: str, slow_steps: FlagFile) -> LLMEngine:
+    engine = LLMEngine.from_kwargs(model_path, **ENGINE_KWARGS)
+    step = engine.step
 
-        engine.step = maybe_slow_step
-        return engine
+    def maybe_slow_step():
+        if slow_steps.is_set():
+            time.sleep(0.01)
+        return step()
 
-    llm = AsyncLLM(factory)
+    engine.step = maybe_slow_step
+    return engine
+
+
+@contextlib.contextmanager
+def _uvicorn_in_thread(llm: AsyncLLM, slow_steps: FlagFile, **server_kwargs):
     server = OpenAIServer(llm, [MODEL, "alias"], **server_kwargs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -80,14 +102,16 @@ def serve_in_thread(model_path: str, **server_kwargs):
     finally:
         uv.should_exit = True
         thread.join(10)
-        llm.shutdown()
         sock.close()
 
 
-@pytest.fixture(scope="module")
-def running(tiny_qwen3):
+@pytest.fixture(scope="module", params=["engine_thread", "engine_process"])
+def running(tiny_qwen3, request):
     with serve_in_thread(
-        tiny_qwen3, api_key=API_KEY, limits=ServerLimits(max_request_body_bytes=MAX_BODY)
+        tiny_qwen3,
+        engine_process=request.param == "engine_process",
+        api_key=API_KEY,
+        limits=ServerLimits(max_request_body_bytes=MAX_BODY),
     ) as srv:
         yield srv
 
@@ -310,6 +334,25 @@ def test_sampling_options_logprobs_and_n(client):
     assert [e.token for e in streamed] == [e.token for e in content]
 
 
+def test_stream_usage_options(http):
+    """vLLM's continuous_usage_stats: with include_usage, every chunk carries the usage so far (without
+    it, no chunk does); and a stream has at most one event per engine step."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "ignore_eos": True, "stream": True}
+
+    def chunks(stream_options):
+        response = http.post("/v1/completions", json={**body, "stream_options": stream_options})
+        assert response.status_code == 200, response.text
+        lines = [line for line in response.text.splitlines() if line.startswith("data: {")]
+        return [json.loads(line[len("data: ") :]) for line in lines]
+
+    every = chunks({"include_usage": True, "continuous_usage_stats": True})
+    assert all(c["usage"] is not None for c in every) and every[-1]["usage"]["completion_tokens"] == 6
+    generated = [c["usage"]["completion_tokens"] for c in every]
+    assert generated == sorted(generated) and 1 <= len(every) - 1 <= 6
+    assert every[-1]["choices"] == [] and generated[-2] == 6
+    assert all(c["usage"] is None for c in chunks({"continuous_usage_stats": True}))
+
+
 def test_stop_strings(client):
     kwargs = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
     text = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
@@ -428,17 +471,28 @@ def test_metrics_move(client, http):
     assert after["nanoinfer:prefix_cache_queries_total{}"] >= result.usage.prompt_tokens
 
 
-def test_unhealthy_after_engine_crash(tiny_qwen3):
-    with serve_in_thread(tiny_qwen3) as srv:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine_thread", "engine_process"])
+def test_unhealthy_after_engine_crash(tiny_qwen3, engine_process):
+    with serve_in_thread(tiny_qwen3, engine_process=engine_process) as srv:
+        if engine_process:
+            os.kill(srv.llm.engine_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 1.0
+            while srv.llm.is_healthy and time.monotonic() < deadline:
+                time.sleep(0.01)
+            cause = "SIGKILL"
+        else:
 
-        def crash(engine):
-            raise RuntimeError("simulated crash")
+            def crash(engine):
+                raise RuntimeError("simulated crash")
 
-        # Make the next step fail, then send a request into it.
-        srv.llm._submit_call(lambda engine: setattr(engine, "step", lambda: crash(engine))).result(10)
+            # Make the next step fail, then send a request into it.
+            break_step = srv.llm._driver.submit_call(lambda e: setattr(e, "step", lambda: crash(e)))
+            break_step.result(10)
+            cause = "simulated crash"
         response = httpx.post(srv.url + "/v1/completions", json=_OK, timeout=10)
-        assert response.status_code == 503 and "simulated crash" in response.json()["error"]["message"]
-        assert httpx.get(srv.url + "/health").status_code == 503
+        assert response.status_code == 503 and cause in response.json()["error"]["message"]
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and cause in health.json()["error"]["message"]
         assert httpx.post(srv.url + "/v1/completions", json=_OK, timeout=10).status_code == 503
 
 

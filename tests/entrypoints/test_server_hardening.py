@@ -1,7 +1,9 @@
 """A live `nanoinfer serve` (a subprocess, CPU, tiny model) against a hostile client: every request gets a
 200 or an OpenAI-shaped 4xx naming the field, /health keeps answering quickly while expensive requests
 are in flight, normal requests succeed right after, slow and vanishing clients cost nothing and log no
-traceback, and an engine that dies makes the server exit non-zero."""
+traceback, and an engine that dies makes the server exit non-zero. The server runs its engine core in a
+process of its own (serve's default), but for the engine failure, which is injected into the server's
+process."""
 
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ def _free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, args: list[str], log_path: Path, launcher: str | None = None):
+    def __init__(
+        self, args: list[str], log_path: Path, launcher: str | None = None, env: dict[str, str] | None = None
+    ):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -39,7 +43,7 @@ class LiveServer:
         command += ["-c", launcher] if launcher else ["-m", "nanoinfer.entrypoints.cli"]
         command += ["serve", *args, "--port", str(self.port)]
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while True:
@@ -302,7 +306,9 @@ _CRASHING_LAUNCHER = textwrap.dedent(
 
 
 def test_server_exits_non_zero_when_the_engine_dies(tiny_qwen3, tmp_path):
-    args = [tiny_qwen3, "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN)]
+    # The launcher breaks the engine in the server's own process: the engine must run there. (With the
+    # engine core in a process of its own: tests/entrypoints/test_server_process.py.)
+    args = [tiny_qwen3, "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--no-engine-process"]
     srv = LiveServer(args, tmp_path / "server.log", launcher=_CRASHING_LAUNCHER)
     try:
         body = {"prompt": "hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -1,19 +1,29 @@
 """AsyncLLM: DELTA and CUMULATIVE streams, continuous batching across arrivals, aborts that free KV
 blocks wherever the request is, per-request failures, engine-loop crashes, idling without spinning,
-shutdown."""
+shutdown. The tests that take ``llm`` run twice: with the engine on a thread of this process and with
+the engine core in a process of its own; the process mode's own cases (a request id reused while the
+outputs of its aborted predecessor are on their way, a killed engine process, a failing step, a failed
+start, seeds beyond 64 bits) follow at the end."""
 
 import asyncio
 import contextlib
 import dataclasses
+import glob
+import os
+import signal
+import tempfile
 import threading
 import time
 
 import pytest
 
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.config import EngineConfig
+from nanoinfer.engine.core import EngineCore
 from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError
 from nanoinfer.frontend.llm_engine import LLMEngine
 from nanoinfer.sampling_params import RequestOutputKind
+from tests.entrypoints.engine_delays import delayed_core
 
 ENGINE_KWARGS = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 64}
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "What is the capital of France?"]
@@ -28,6 +38,20 @@ def reference(tiny_qwen3):
     """Greedy outputs of the offline engine, one request at a time."""
     with LLM(tiny_qwen3, **ENGINE_KWARGS) as llm:
         return {p: llm.generate([p], greedy(12), use_tqdm=False)[0].outputs[0] for p in PROMPTS}
+
+
+def process_llm(model: str, core_factory=None, **overrides) -> AsyncLLM:
+    """An AsyncLLM with its engine core in a process of its own."""
+    config = EngineConfig.from_kwargs(model, **{**ENGINE_KWARGS, **overrides})
+    return AsyncLLM.with_engine_process(config, ready_timeout=60, core_factory=core_factory)
+
+
+@pytest.fixture(scope="module", params=["engine_thread", "engine_process"])
+def llm(tiny_qwen3, request):
+    """Shared by the tests (each uses request ids of its own), in both modes."""
+    llm = make_async_llm(tiny_qwen3) if request.param == "engine_thread" else process_llm(tiny_qwen3)
+    yield llm
+    llm.shutdown()
 
 
 def make_async_llm(model: str, on_step=None, **overrides) -> AsyncLLM:
@@ -74,9 +98,7 @@ class Pause:
         assert await asyncio.to_thread(self.paused.wait, 10), "the engine never reached the paused state"
 
 
-def test_delta_and_cumulative_streams_match_offline(tiny_qwen3, reference):
-    llm = make_async_llm(tiny_qwen3)
-
+def test_delta_and_cumulative_streams_match_offline(llm, reference):
     async def main():
         for i, prompt in enumerate(PROMPTS):
             text, ids, steps = "", [], 0
@@ -96,18 +118,14 @@ def test_delta_and_cumulative_streams_match_offline(tiny_qwen3, reference):
             assert c.token_ids == reference[prompt].token_ids and c.text == reference[prompt].text
         assert all_free(await llm.get_stats())
 
-    try:
-        asyncio.run(main())
-    finally:
-        llm.shutdown()
+    asyncio.run(main())
 
 
-def test_n_completions_logprobs_and_stops_match_offline(tiny_qwen3):
+def test_n_completions_logprobs_and_stops_match_offline(tiny_qwen3, llm):
     # Stop strings that this seed's completions contain (checked below), so that they cut the text.
     params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=10, logprobs=2, stop=["j", "do"])
     with LLM(tiny_qwen3, **ENGINE_KWARGS) as offline:
         expected = offline.generate([PROMPTS[0]], params, use_tqdm=False)[0]
-    llm = make_async_llm(tiny_qwen3)
 
     async def main():
         texts, token_ids, logprobs, last = {0: "", 1: ""}, {0: [], 1: []}, {0: [], 1: []}, {}
@@ -118,12 +136,15 @@ def test_n_completions_logprobs_and_stops_match_offline(tiny_qwen3):
                 token_ids[c.index] += c.token_ids
                 logprobs[c.index] += c.logprobs
                 last[c.index] = c
+        # The completions a stop string ended were dropped by the core as well.
+        for _ in range(100):
+            if all_free(await llm.get_stats()):
+                break
+            await asyncio.sleep(0.01)
+        assert all_free(await llm.get_stats())
         return out, texts, token_ids, logprobs, last
 
-    try:
-        final, texts, token_ids, logprobs, last = asyncio.run(main())
-    finally:
-        llm.shutdown()
+    final, texts, token_ids, logprobs, last = asyncio.run(main())
     assert final.finished
     assert all(c.stop_reason in ("j", "do") for c in expected.outputs)  # a stop string did cut something
     for want in expected.outputs:
@@ -134,7 +155,15 @@ def test_n_completions_logprobs_and_stops_match_offline(tiny_qwen3):
             want.finish_reason,
             want.stop_reason,
         )
-        assert logprobs[i] == want.logprobs
+        # With the core in another process, a stopped sibling may run a few more steps before its abort
+        # arrives: batch shapes then differ from the offline run's, and float32 logits by rounding.
+        assert len(logprobs[i]) == len(want.logprobs)
+        for got, expected_position in zip(logprobs[i], want.logprobs, strict=True):
+            assert got.keys() == expected_position.keys()
+            for token_id, lp in got.items():
+                reference = expected_position[token_id]
+                assert (lp.rank, lp.decoded_token) == (reference.rank, reference.decoded_token)
+                assert lp.logprob == pytest.approx(reference.logprob, rel=1e-5, abs=1e-5)
         assert last[i].cumulative_logprob == pytest.approx(want.cumulative_logprob)
 
 
@@ -172,9 +201,7 @@ def test_requests_join_a_running_batch(tiny_qwen3, reference):
     assert max(batch_sizes) >= 2  # the late requests decoded in the same steps as the first one
 
 
-def test_abort_while_running_frees_blocks(tiny_qwen3):
-    llm = make_async_llm(tiny_qwen3)
-
+def test_abort_while_running_frees_blocks(llm):
     async def main():
         stream = await llm.add_request("a", PROMPTS[0], greedy(200))
         first = await stream.__anext__()
@@ -199,10 +226,7 @@ def test_abort_while_running_frees_blocks(tiny_qwen3):
                 break
         assert all_free(await llm.get_stats())
 
-    try:
-        asyncio.run(main())
-    finally:
-        llm.shutdown()
+    asyncio.run(main())
 
 
 def test_abort_while_waiting(tiny_qwen3):
@@ -252,9 +276,7 @@ def test_abort_mid_chunked_prefill(tiny_qwen3):
         llm.shutdown()
 
 
-def test_bad_request_fails_alone(tiny_qwen3, reference):
-    llm = make_async_llm(tiny_qwen3)
-
+def test_bad_request_fails_alone(llm, reference):
     async def main():
         with pytest.raises(ValueError, match="max_model_len"):
             await llm.add_request("too-long", list(range(10, 300)), greedy(4))
@@ -269,19 +291,32 @@ def test_bad_request_fails_alone(tiny_qwen3, reference):
         assert llm.is_healthy
         assert all_free(await llm.get_stats())
 
-    try:
-        asyncio.run(main())
-    finally:
-        llm.shutdown()
+    asyncio.run(main())
 
 
-def test_engine_crash_fails_every_request(tiny_qwen3):
+class _StepFailsCore(EngineCore):
+    """Its third step raises, as a device failure would (in the engine process)."""
+
+    def step(self):
+        self.num_steps = getattr(self, "num_steps", 0) + 1
+        if self.num_steps == 3:
+            raise RuntimeError("simulated device failure")
+        return super().step()
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine_thread", "engine_process"])
+def test_engine_crash_fails_every_request(tiny_qwen3, engine_process):
     def crash_on_third_step(engine, outputs, calls=[0]):  # noqa: B006 (a counter shared by the calls)
         calls[0] += 1
         if calls[0] == 3:
             raise RuntimeError("simulated device failure")
 
-    llm = make_async_llm(tiny_qwen3, on_step=crash_on_third_step)
+    if engine_process:
+        llm = process_llm(tiny_qwen3, core_factory=_StepFailsCore)
+    else:
+        llm = make_async_llm(tiny_qwen3, on_step=crash_on_third_step)
+    deaths = []
+    llm.on_engine_dead(deaths.append)
 
     async def consume(i):
         async for _ in llm.generate(PROMPTS[i], greedy(50), f"r{i}"):
@@ -291,14 +326,20 @@ def test_engine_crash_fails_every_request(tiny_qwen3):
         results = await asyncio.gather(consume(0), consume(1), return_exceptions=True)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert "simulated device failure" in str(results[0])
-        assert not llm.is_healthy and "simulated device failure" in str(llm.error)
+        assert not llm.is_healthy and "simulated device failure" in str(llm.error) and llm.crashed
         with pytest.raises(EngineDeadError):
             await llm.add_request("after", PROMPTS[0], greedy(4))
+        assert (await llm.get_stats())["num_kv_blocks_total"] == ENGINE_KWARGS["num_kvcache_blocks"]
 
     try:
         asyncio.run(main())
     finally:
         llm.shutdown()
+    assert deaths == [llm.error]
+    # A callback registered after the crash runs at once.
+    late = []
+    llm.on_engine_dead(late.append)
+    assert late == [llm.error]
 
 
 def test_idle_engine_thread_blocks(tiny_qwen3):
@@ -329,8 +370,11 @@ async def _drain(outputs):
     return [out async for out in outputs]
 
 
-def test_shutdown_fails_pending_requests(tiny_qwen3):
-    llm = make_async_llm(tiny_qwen3)
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine_thread", "engine_process"])
+def test_shutdown_fails_pending_requests(tiny_qwen3, engine_process):
+    llm = process_llm(tiny_qwen3) if engine_process else make_async_llm(tiny_qwen3)
+    deaths = []
+    llm.on_engine_dead(deaths.append)
 
     async def main():
         stream = await llm.add_request("r", PROMPTS[0], greedy(200))
@@ -345,9 +389,115 @@ def test_shutdown_fails_pending_requests(tiny_qwen3):
         assert stats["num_kv_blocks_total"] == ENGINE_KWARGS["num_kvcache_blocks"]
 
     asyncio.run(main())
-    assert not llm._thread.is_alive()
+    assert not llm.crashed and not deaths
+    if engine_process:
+        assert _exited(llm.engine_pid)
+        llm.shutdown()  # idempotent
+    else:
+        assert not llm._driver.thread.is_alive()
 
 
 def test_failed_engine_start_raises(tmp_path):
     with pytest.raises(Exception, match="config"):
         AsyncLLM.from_kwargs(str(tmp_path), device="cpu")
+    with pytest.raises(Exception, match="config"):
+        AsyncLLM.from_kwargs(str(tmp_path), device="cpu", engine_process=True)
+
+
+def test_slow_consumer_gets_merged_deltas(llm, reference):
+    """DELTA outputs that pile up while the consumer is busy arrive as one output carrying all of them."""
+
+    async def main():
+        stream = await llm.add_request("slow", PROMPTS[0], greedy(12, kind=RequestOutputKind.DELTA))
+        await asyncio.sleep(0.5)  # the engine finishes meanwhile
+        outputs = [out async for out in stream]
+        assert len(outputs) == 1 and outputs[0].finished
+        assert outputs[0].outputs[0].token_ids == reference[PROMPTS[0]].token_ids
+        assert outputs[0].outputs[0].text == reference[PROMPTS[0]].text
+
+    asyncio.run(main())
+
+
+# -- the engine core in a process of its own --------------------------------------------------------------
+
+
+def _exited(pid: int) -> bool:
+    """True once ``pid`` is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _socket_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "nanoinfer-*")))
+
+
+def test_reused_request_id_never_gets_its_predecessors_outputs(tiny_qwen3, reference):
+    """The outputs of an aborted request that are still on their way when a new request takes its id are
+    dropped: they belong to a different core request."""
+    llm = process_llm(tiny_qwen3, core_factory=delayed_core(0.005))
+
+    async def main():
+        for round_index in range(5):
+            first = await llm.add_request("same", PROMPTS[1], greedy(200, kind=RequestOutputKind.DELTA))
+            await first.__anext__()
+            first.abort()
+            second = llm.generate(PROMPTS[0], greedy(12, kind=RequestOutputKind.DELTA), "same")
+            token_ids = [t async for out in second for t in out.outputs[0].token_ids]
+            assert token_ids == reference[PROMPTS[0]].token_ids, round_index
+        assert all_free(await llm.get_stats())
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_killed_engine_process_fails_every_stream_at_once(tiny_qwen3):
+    dirs = _socket_dirs()
+    llm = process_llm(tiny_qwen3, core_factory=delayed_core(0.005))
+    deaths = []
+    llm.on_engine_dead(deaths.append)
+
+    async def consume(stream):
+        async for _ in stream:
+            pass
+
+    async def main():
+        streams = [await llm.add_request(f"k{i}", PROMPTS[i], greedy(200)) for i in range(3)]
+        for stream in streams:
+            await stream.__anext__()
+        killed_at = time.monotonic()
+        os.kill(llm.engine_pid, signal.SIGKILL)
+        results = await asyncio.gather(*(consume(s) for s in streams), return_exceptions=True)
+        assert time.monotonic() - killed_at < 1.0
+        assert all(isinstance(r, EngineDeadError) and "SIGKILL" in str(r) for r in results), results
+        assert not llm.is_healthy and llm.crashed and deaths == [llm.error]
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            await llm.add_request("after", PROMPTS[0], greedy(4))
+        llm.abort("k0")  # a no-op now
+        assert (await llm.get_stats())["num_kv_blocks_total"] == ENGINE_KWARGS["num_kvcache_blocks"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert _exited(llm.engine_pid) and _socket_dirs() <= dirs
+
+
+def test_seeds_beyond_64_bits_sample_as_their_low_64_bits(tiny_qwen3, llm):
+    """Any integer is a seed; the engine process gets its 64 bits (all that the sampling uses)."""
+    huge = SamplingParams(temperature=1.0, seed=10**30 + 3, max_tokens=8, ignore_eos=True, n=2)
+    low = dataclasses.replace(huge, seed=(10**30 + 3) % (1 << 64) - (1 << 64))
+
+    async def completions(params, request_id):
+        outputs = [out async for out in llm.generate(PROMPTS[0], params, request_id)]
+        return [c.token_ids for c in outputs[-1].outputs]
+
+    async def main():
+        return await completions(huge, "huge-seed"), await completions(low, "low-seed")
+
+    huge_ids, low_ids = asyncio.run(main())
+    assert huge_ids == low_ids and huge_ids[0] != huge_ids[1]

@@ -29,7 +29,7 @@ def _metadata(params, device="cpu", offsets=None, **extra) -> SamplingMetadata:
 
 def _with_bad_words(params: SamplingParams, words: list[list[int]]) -> SamplingParams:
     """bad_words given as token sequences directly (what update_from_tokenizer makes of strings)."""
-    return dataclasses.replace(params, bad_words=["w"] * len(words), _bad_words_token_ids=words)
+    return dataclasses.replace(params, bad_words=["w"] * len(words), bad_words_token_ids=words)
 
 
 # -- SamplingParams ------------------------------------------------------------------------------------------
