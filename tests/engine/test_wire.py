@@ -48,11 +48,18 @@ def _params_variants() -> list[SamplingParams]:
             structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {}}}),
         ),
         SamplingParams(
-            temperature=0.0, seed=INT64_MAX, stop="x", max_tokens=None, logprobs=0,
+            temperature=0.0,
+            seed=INT64_MAX,
+            stop="x",
+            max_tokens=None,
+            logprobs=0,
             structured_outputs=StructuredOutputsParams(choice=["yes", "no"], disable_any_whitespace=False),
         ),  # fmt: skip
         SamplingParams(
-            temperature=1e-9, top_k=-1, output_kind=RequestOutputKind.FINAL_ONLY, prompt_logprobs=5,
+            temperature=1e-9,
+            top_k=-1,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            prompt_logprobs=5,
             structured_outputs=StructuredOutputsParams(regex=r"[a-z]+@x\.com"),
         ),  # fmt: skip
     ]
