@@ -53,23 +53,52 @@ structured)
     timeout 200 python3 benchmarks/structured_outputs.py --model /tmp/qwen3-0.6b-tok --result-file "$OUT/structured.json"
     ;;
 serve)
+    # nanoinfer serve (engine core in its own process) under a request-rate sweep, the offline engine on
+    # the same workload, then transformers' own server (continuous batching) as the peer on a shorter
+    # sweep (it is ~40x slower: the full sweep would not fit the device time). SERVE_PROMPTS, PEER_PROMPTS
+    # set the sizes.
     write_checkpoint
+    n=${SERVE_PROMPTS:-400}
+    timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --num-seqs "$n" --min-input-len 512 \
+        --max-input-len 512 --min-output-len 128 --max-output-len 128 --result-file "$OUT/offline_512_128.json"
     python3 -m nanoinfer.entrypoints.cli serve "$CKPT" --port 8011 --served-model-name qwen3-0.6b-random \
         --log-level warning > "$OUT/server.log" 2>&1 &
     server=$!
-    python3 -c "
-import time, urllib.request
-for _ in range(180):
+    wait_for_health() {
+        python3 -c "
+import sys, time, urllib.request
+for _ in range(int(sys.argv[2])):
     try:
-        urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=2); break
+        urllib.request.urlopen(sys.argv[1], timeout=2); sys.exit(0)
     except OSError:
-        time.sleep(1)"
-    timeout 300 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
-        --model qwen3-0.6b-random --tokenizer "$CKPT" --num-prompts 100 --random-input-len 512 \
-        --random-output-len 128 --request-rates 8,32,inf --goodput ttft:500 tpot:50 \
+        time.sleep(1)
+sys.exit(1)" "$1" "$2"
+    }
+    wait_for_health http://127.0.0.1:8011/health 180
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$OUT/gpu_processes.csv"
+    echo "server pid $server" >> "$OUT/gpu_processes.csv"
+    timeout 240 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
+        --model qwen3-0.6b-random --tokenizer "$CKPT" --num-prompts "$n" --random-input-len 512 \
+        --random-output-len 128 --request-rates 8,32,128,inf --goodput ttft:200 tpot:20 \
         --plot "$OUT/serve_latency.png" --result-file "$OUT/serve.json"
-    kill -INT "$server"
+    kill -TERM "$server"
     wait "$server"
+    echo "nanoinfer serve exit status $?"
+    transformers serve --help > "$OUT/transformers_serve_help.txt" 2>&1
+    (transformers serve "$CKPT" --continuous-batching --port 8012 --log-level warning \
+        || transformers serve --force-model "$CKPT" --continuous-batching --port 8012) > "$OUT/peer.log" 2>&1 &
+    peer=$!
+    if wait_for_health http://127.0.0.1:8012/v1/models 120; then
+        timeout 200 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8012 \
+            --endpoint /v1/chat/completions --no-ignore-eos --model "$CKPT" --tokenizer "$CKPT" \
+            --num-prompts "${PEER_PROMPTS:-100}" --random-input-len 512 --random-output-len 128 \
+            --request-rates 8,32,inf --goodput ttft:200 tpot:20 --plot "$OUT/peer_latency.png" \
+            --result-file "$OUT/peer.json"
+    else
+        echo "transformers serve did not start (see peer.log)"
+    fi
+    pkill -f "transformers serve" || true
+    kill "$peer" 2>/dev/null
     ;;
 tp)
     # One process for correctness and throughput: the engines after the first start from warm compile

@@ -86,6 +86,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly the output length (vLLM's ignore_eos); --no-ignore-eos for servers that "
+        "reject the field (transformers serve)",
+    )
+    parser.add_argument(
         "--goodput",
         nargs="+",
         default=None,
@@ -223,20 +230,28 @@ def _vocab_ids(tokenizer: Any) -> list[int]:
 
 
 def _payload(
-    endpoint: str, model: str, request: BenchRequest, temperature: float, tokenizer: Any
+    endpoint: str,
+    model: str,
+    request: BenchRequest,
+    temperature: float,
+    tokenizer: Any,
+    ignore_eos: bool = True,
 ) -> dict[str, Any]:
     common = {
         "model": model,
         "temperature": temperature,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if ignore_eos:
+        common["ignore_eos"] = True
     if endpoint == "/v1/chat/completions":
         text = tokenizer.decode(request.prompt_token_ids)
         return {
             **common,
             "messages": [{"role": "user", "content": text}],
+            # Both names: servers that know only the older one (transformers serve) honour it too.
+            "max_tokens": request.output_len,
             "max_completion_tokens": request.output_len,
         }
     return {**common, "prompt": request.prompt_token_ids, "max_tokens": request.output_len}
@@ -311,6 +326,7 @@ async def run_benchmark(
     api_key: str | None = None,
     seed: int = 0,
     warmup_requests: Sequence[BenchRequest] = (),
+    ignore_eos: bool = True,
 ) -> tuple[list[RequestResult], float]:
     """Sends all requests (Poisson arrivals at ``request_rate``); returns their results and the duration.
 
@@ -328,7 +344,7 @@ async def run_benchmark(
         await _check_model(client, base_url, model, headers)
 
         async def one(request: BenchRequest) -> RequestResult:
-            payload = _payload(endpoint, model, request, temperature, tokenizer)
+            payload = _payload(endpoint, model, request, temperature, tokenizer, ignore_eos)
             if semaphore is None:
                 return await send_request(client, url, payload, headers)
             async with semaphore:
@@ -537,6 +553,7 @@ def run(args: argparse.Namespace) -> int:
                     api_key,
                     args.seed,
                     warmups,
+                    args.ignore_eos,
                 )
             )
         except RuntimeError as e:

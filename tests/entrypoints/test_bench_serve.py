@@ -66,6 +66,16 @@ def test_summary_throughputs_latencies_and_goodput():
     assert "Request goodput (req/s)" in table and "Time to first token" in table
 
 
+def test_payloads_for_peers_that_reject_ignore_eos(tiny_qwen3):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    request = bench.BenchRequest(prompt_token_ids=[5, 6, 7], output_len=9)
+    plain = bench._payload("/v1/completions", "m", request, 0.0, tokenizer)
+    assert plain["ignore_eos"] is True and plain["max_tokens"] == 9 and plain["prompt"] == [5, 6, 7]
+    chat = bench._payload("/v1/chat/completions", "m", request, 0.0, tokenizer, ignore_eos=False)
+    assert "ignore_eos" not in chat and chat["max_tokens"] == chat["max_completion_tokens"] == 9
+    assert chat["messages"][0]["content"] == tokenizer.decode([5, 6, 7])
+
+
 def test_argument_parsing_errors():
     assert bench.parse_goodput(["ttft:500", "e2el:2000"]) == {"ttft": 500.0, "e2el": 2000.0}
     for bad in (["ttft"], ["latency:5"], ["tpot:fast"], ["tpot:0"]):
