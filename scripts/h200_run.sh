@@ -3,6 +3,7 @@
 #   scripts/h200_run.sh check   kernel + engine correctness (scripts/gpu_check.py) and the offline
 #                               throughput benchmark on a random Qwen3-0.6B-shaped checkpoint
 #   scripts/h200_run.sh kernels every kernel against its reference and the timings of their variants
+#   scripts/h200_run.sh ab      the throughput benchmark on an older tree and on this one
 #   scripts/h200_run.sh fp8     the throughput benchmark with the FP8 KV cache
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
@@ -19,7 +20,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 CKPT=/tmp/qwen3-0.6b
 exec > >(tee -a "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-git log -1 --format='commit %h %cd' 2>/dev/null || true
+# The device's copy of the tree has no history of its own: the caller passes NANOINFER_COMMIT.
+echo "commit ${NANOINFER_COMMIT:-unknown}"
 
 write_checkpoint() {
     [ -f "$CKPT/config.json" ] || python3 -c "from nanoinfer.benchmarks.random_checkpoint import write_random_qwen3 as w; w('$CKPT', 'qwen3-0.6b', device='cuda')"
@@ -38,6 +40,14 @@ check)
     ;;
 kernels)
     timeout 540 python3 scripts/gpu_kernels.py
+    ;;
+ab)
+    # The throughput workload (with --tpot) on an older tree (OLD_TREE: a `git archive` of it, default
+    # .old_tree) and on this one, in the same run: host speed varies between machines.
+    write_checkpoint
+    (cd "${OLD_TREE:-.old_tree}" && PYTHONPATH=$PWD timeout 100 python3 benchmarks/throughput.py --model "$CKPT" \
+        --tpot --result-file "$OUT/throughput_old.json")
+    timeout 100 python3 benchmarks/throughput.py --model "$CKPT" --tpot --result-file "$OUT/throughput_new.json"
     ;;
 fp8)
     write_checkpoint
@@ -113,7 +123,7 @@ tp)
     done
     ;;
 *)
-    echo "usage: $0 check|kernels|fp8|structured|serve|tp" >&2
+    echo "usage: $0 check|kernels|ab|fp8|structured|serve|tp" >&2
     exit 2
     ;;
 esac

@@ -148,6 +148,10 @@ def make_workload(
 
 
 def _git_commit() -> str:
+    """NANOINFER_COMMIT when set (a copy of the tree without its git history, as on the device), else
+    the checkout's HEAD."""
+    if os.environ.get("NANOINFER_COMMIT"):
+        return os.environ["NANOINFER_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
