@@ -69,8 +69,9 @@ serve)
     # set the sizes.
     write_checkpoint
     n=${SERVE_PROMPTS:-400}
-    timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --num-seqs "$n" --min-input-len 512 \
-        --max-input-len 512 --min-output-len 128 --max-output-len 128 --result-file "$OUT/offline_512_128.json"
+    [ -n "${SKIP_OFFLINE:-}" ] || timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --num-seqs "$n" \
+        --min-input-len 512 --max-input-len 512 --min-output-len 128 --max-output-len 128 \
+        --result-file "$OUT/offline_512_128.json"
     python3 -m nanoinfer.entrypoints.cli serve "$CKPT" --port 8011 --served-model-name qwen3-0.6b-random \
         --log-level warning > "$OUT/server.log" 2>&1 &
     server=$!
@@ -84,12 +85,12 @@ for _ in range(int(sys.argv[2])):
         time.sleep(1)
 sys.exit(1)" "$1" "$2"
     }
-    wait_for_health http://127.0.0.1:8011/health 180
+    wait_for_health http://127.0.0.1:8011/health 180 || tail -20 "$OUT/server.log"
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$OUT/gpu_processes.csv"
     echo "server pid $server" >> "$OUT/gpu_processes.csv"
     timeout 240 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
         --model qwen3-0.6b-random --tokenizer "$CKPT" --num-prompts "$n" --random-input-len 512 \
-        --random-output-len 128 --request-rates 8,32,128,inf --goodput ttft:200 tpot:20 \
+        --random-output-len 128 --request-rates "${SERVE_RATES:-8,32,128,inf}" --goodput ttft:200 tpot:20 \
         --plot "$OUT/serve_latency.png" --result-file "$OUT/serve.json"
     kill -TERM "$server"
     wait "$server"
@@ -102,7 +103,7 @@ sys.exit(1)" "$1" "$2"
         timeout 200 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8012 \
             --endpoint /v1/chat/completions --no-ignore-eos --model "$CKPT" --tokenizer "$CKPT" \
             --num-prompts "${PEER_PROMPTS:-100}" --random-input-len 512 --random-output-len 128 \
-            --request-rates 8,32,inf --goodput ttft:200 tpot:20 --plot "$OUT/peer_latency.png" \
+            --request-rates "${PEER_RATES:-8,32,inf}" --goodput ttft:200 tpot:20 --plot "$OUT/peer_latency.png" \
             --result-file "$OUT/peer.json"
     else
         echo "transformers serve did not start (see peer.log)"
