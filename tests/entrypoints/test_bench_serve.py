@@ -237,3 +237,15 @@ def test_bench_a_gguf_model_and_keep_results_when_the_plot_fails(tiny_gguf, tmp_
             bench.main([*argv, "--result-file", str(result_file)])
     (run,) = json.loads(result_file.read_text())["runs"]
     assert run["completed"] == 3 and run["failed"] == 0 and run["total_output_tokens"] == 9
+
+
+def test_api_overhead_benchmark_runs_against_a_stub_core(tmp_path):
+    from nanoinfer.benchmarks import api_overhead
+    from tests.fixtures import build_model
+
+    model = build_model(str(tmp_path / "model"), max_position_embeddings=1024)
+    result_file = tmp_path / "result.json"
+    argv = ["--model", model, "--num-prompts", "12", "--input-len", "32", "--output-len", "8"]
+    assert api_overhead.main([*argv, "--result-file", str(result_file)]) == 0
+    record = json.loads(result_file.read_text())
+    assert record["output_tok_per_s"] > 0 and record["num_prompts"] == 12
