@@ -1,0 +1,443 @@
+"""xgrammar matchers for JSON schemas: the fast path of structured outputs (see backend.py).
+
+xgrammar works out, when it compiles a grammar, which tokens each position of the grammar allows (its
+adaptive token-mask cache), so that a step's mask is mostly a copy: about 10 microseconds a row at
+Qwen3's 150k vocabulary for a realistic schema, against hundreds for llguidance, which walks the token
+trie at every step (benchmarks/structured_backends.py). The price is paid up front, and it grows with
+the grammar: tens of milliseconds for a realistic schema, seconds for a deeply nested or huge one, and
+the engine compiles on its loop thread. ``unsuitable_reason`` therefore lets only schemas whose compile
+time is bounded through (the limits and their measurements are next to it); everything else stays on
+llguidance, which bounds its own work.
+
+Semantics follow llguidance's (the reference; ``GrammarCompiler`` validates every schema with it first):
+properties in the schema's order, additional properties allowed unless ``additionalProperties`` says
+otherwise (JSON Schema's default; xgrammar's ``strict_mode`` would forbid them, so it is off), the
+compact layout (separators "," and ":", no whitespace) unless flexible whitespace is asked for, the
+tokenizer's added tokens never allowed as text. End of output as in backend.py's docstring.
+
+Threads: as llguidance's, a matcher may be used from any thread but by one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import xgrammar
+
+from nanoinfer.structured.backend import (
+    BITS_PER_WORD,
+    Grammar,
+    bitmask_words,
+    check_bitmask,
+    check_row,
+    set_only,
+)
+
+# The compiled grammars xgrammar keeps for reuse (requests that share a schema compile it once): about
+# 0.5 MB per realistic schema at a 150k vocabulary, bounded here.
+XGRAMMAR_CACHE_LIMIT_BYTES = 256 * 1024 * 1024
+
+# -- which schemas xgrammar compiles quickly -------------------------------------------------------------
+#
+# Compile time of xgrammar 0.2.9 at Qwen3's vocabulary (151,936 ids) on one core of a shared 2-core AMD
+# EPYC (best of 3, cache off; see ``--limits`` of benchmarks/structured_backends.py), against the bound
+# every schema routed to xgrammar must stay well under: 0.2 s. Compile time grows with the number of
+# grammar positions whose masks xgrammar precomputes, so the limits bound each way a schema multiplies
+# them:
+#
+# - nesting: objects nested n deep cost ~0.2 ms * n^2 (n=32: 0.2 s, n=256: 2 s, n=900: > 20 s): at most
+#   MAX_DEPTH schema levels (realistic schemas nest a handful).
+# - enum/const values: each is a literal alternative of its own (2,500 strings: 0.25 s, 20k: 1.8 s and
+#   13 ms masks): at most MAX_ENUM_VALUES in the whole schema.
+# - properties: each optional property adds a chain of alternatives (300 optional: 70 ms, and the
+#   ordering makes it grow faster than linearly): at most MAX_PROPERTIES in the whole schema.
+# - alternatives (anyOf/oneOf branches): each is a grammar of its own (64 objects of 8 properties: 80 ms).
+# - size: at most MAX_SCHEMA_BYTES of schema JSON, whatever it holds; and patterns at most
+#   MAX_PATTERN_BYTES each (xgrammar compiles a pattern to an automaton when the schema is compiled).
+#
+# Keywords: only those in SCHEMA_KEYWORDS, which xgrammar implements as llguidance does. Others (format,
+# uniqueItems, patternProperties, minProperties, multipleOf, if/then/else, allOf, ...) stay on
+# llguidance, which implements more of them, and rejects what it does not implement.
+MAX_DEPTH = 12
+MAX_ENUM_VALUES = 512
+MAX_PROPERTIES = 128
+MAX_ALTERNATIVES = 32
+MAX_SCHEMA_BYTES = 16 * 1024
+MAX_PATTERN_BYTES = 256
+
+# Keywords whose value is one subschema, a list of them, or a map of names to them.
+_SUBSCHEMA = {"items", "additionalProperties"}
+_SUBSCHEMA_LIST = {"anyOf"}
+_SUBSCHEMA_MAP = {"properties", "$defs", "definitions"}
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment"}
+SCHEMA_KEYWORDS = frozenset(
+    _SUBSCHEMA
+    | _SUBSCHEMA_LIST
+    | _SUBSCHEMA_MAP
+    | _ANNOTATIONS
+    | {"type", "required", "enum", "const", "$ref", "pattern", "minLength", "maxLength"}
+    | {"minItems", "maxItems", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+)
+# Escapes of a pattern that xgrammar may take: \d \w \s (ASCII, as in JSON Schema's ECMA-262 regexes)
+# and escaped punctuation. Others (\D \W \S, \p{..}, \u.., \x..) can match what "." matches, see below.
+_PATTERN_ESCAPES = frozenset("dwstnrfv")
+
+
+class _Unsuitable(Exception):
+    pass
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.enum_values = 0
+        self.properties = 0
+        self.alternatives = 0
+
+
+def unsuitable_reason(schema: Any, schema_bytes: int) -> str | None:
+    """Why xgrammar should not compile ``schema`` (its compile time is not known to be small, or it uses
+    something xgrammar does not implement as llguidance does); None when it may."""
+    if schema_bytes > MAX_SCHEMA_BYTES:
+        return f"the schema has {schema_bytes} bytes (more than {MAX_SCHEMA_BYTES})"
+    tally = _Tally()
+    try:
+        _walk(schema, 1, tally)
+    except _Unsuitable as e:
+        return str(e)
+    return None
+
+
+def _walk(schema: Any, depth: int, tally: _Tally) -> None:
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise _Unsuitable(f"a subschema is a {type(schema).__name__}")
+    if depth > MAX_DEPTH:
+        raise _Unsuitable(f"the schema nests more than {MAX_DEPTH} levels")
+    for key, value in schema.items():
+        if key not in SCHEMA_KEYWORDS:
+            raise _Unsuitable(f"keyword {key!r}")
+        if key in _SUBSCHEMA:
+            _walk(value, depth + 1, tally)
+        elif key in _SUBSCHEMA_LIST:
+            if not isinstance(value, list):
+                raise _Unsuitable(f"{key} is not a list")
+            tally.alternatives += len(value)
+            if tally.alternatives > MAX_ALTERNATIVES:
+                raise _Unsuitable(f"more than {MAX_ALTERNATIVES} anyOf alternatives")
+            for item in value:
+                _walk(item, depth + 1, tally)
+        elif key in _SUBSCHEMA_MAP:
+            if not isinstance(value, dict):
+                raise _Unsuitable(f"{key} is not an object")
+            if key == "properties":
+                tally.properties += len(value)
+                if tally.properties > MAX_PROPERTIES:
+                    raise _Unsuitable(f"more than {MAX_PROPERTIES} properties")
+            for item in value.values():
+                _walk(item, depth + 1, tally)
+        elif key in ("enum", "const"):
+            tally.enum_values += len(value) if key == "enum" and isinstance(value, list) else 1
+            if tally.enum_values > MAX_ENUM_VALUES:
+                raise _Unsuitable(f"more than {MAX_ENUM_VALUES} enum/const values")
+        elif key == "required":
+            # xgrammar ignores a required property that "properties" does not name (llguidance requires
+            # it, with the additional properties' schema).
+            properties = schema.get("properties", {})
+            if not isinstance(value, list) or not all(name in properties for name in value):
+                raise _Unsuitable("required names a property that properties does not")
+        elif key == "pattern":
+            reason = _pattern_reason(value)
+            if reason is not None:
+                raise _Unsuitable(f"pattern {value!r:.60}: {reason}")
+
+
+def _pattern_reason(pattern: Any) -> str | None:
+    r"""Why xgrammar should not take ``pattern``, or None.
+
+    Its automaton for "." and negated classes ([^...], \D, ...) takes the UTF-8 encodings of surrogates
+    and some overlong encodings, which are not UTF-8; an ASCII pattern without them matches only what it
+    spells. (xgrammar anchors every pattern and writes no escapes in a pattern's strings: it allows
+    fewer strings than llguidance, never others.)
+    """
+    if not isinstance(pattern, str) or len(pattern.encode()) > MAX_PATTERN_BYTES:
+        return f"not a string of at most {MAX_PATTERN_BYTES} bytes"
+    if not pattern.isascii():
+        return "not ASCII"
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            escaped = pattern[i + 1 : i + 2]
+            if escaped.isalnum() and escaped not in _PATTERN_ESCAPES:
+                return f"escape \\{escaped}"
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "^":
+                return "a negated class"
+        elif char == ".":
+            return '"."'
+        i += 1
+    return None
+
+
+# -- JSON strings as llguidance takes them ------------------------------------------------------------------
+#
+# xgrammar 0.2.9's JSON strings differ from JSON and from llguidance's, which is fixed by rewriting the
+# grammar it writes for a schema (text that ``XGrammarCompiler`` checks that it finds when it starts):
+#
+# - a string with minLength/maxLength is ``"\"" chars{min, max} "\""`` with ``chars ::= [^"\\\r\n]``:
+#   raw control characters (invalid JSON), and no escapes. It becomes what JSON takes: a character but
+#   '"', '\' and U+0000-U+001F, or an escape; each counts as one character, as JSON Schema counts them;
+# - its string characters include the UTF-8 encodings of the surrogates U+D800-U+DFFF, which are not
+#   UTF-8 (a byte-level vocabulary can spell them): left out;
+# - what llguidance never writes is left out too: U+007F raw, the escape "\/", and "\u" escapes of other
+#   characters than U+0000-U+001F and U+007F; so that xgrammar's masks are llguidance's (tests compare them).
+_STRING_CLASS = r"[^\0-\x1f\"\\\r\n"  # how xgrammar's classes of string characters start
+_JSON_STRING_CLASS = r"[^\0-\x1f\x7f\"\\\ud800-\udfff"
+_JSON_ESCAPE = r'([\"\\bfnrt]) | ("u00" (([01] [A-Fa-f0-9]) | ("7" [Ff])))'
+_ESCAPES = r'basic_escape ::= (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
+_JSON_ESCAPES = f"basic_escape ::= ({_JSON_ESCAPE})"
+_BOUNDED_STRING_CHARS = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+_JSON_CHAR = "nanoinfer_json_char"
+_JSON_CHAR_RULE = f'{_JSON_CHAR} ::= ({_JSON_STRING_CLASS}]) | ("\\\\" ({_JSON_ESCAPE}))\n'
+
+
+def fix_strings(ebnf: str) -> str:
+    """``ebnf`` (xgrammar's grammar of a JSON schema) with its strings as JSON and llguidance take them."""
+    ebnf = ebnf.replace(_STRING_CLASS, _JSON_STRING_CLASS).replace(_ESCAPES, _JSON_ESCAPES)
+    ebnf, bounded = _BOUNDED_STRING_CHARS.subn(rf"\1 ::= {_JSON_CHAR}", ebnf)
+    return ebnf + "\n" + _JSON_CHAR_RULE if bounded else ebnf
+
+
+# -- compiler and matcher ------------------------------------------------------------------------------------
+
+
+def default_num_threads() -> int:
+    """llguidance's default for its mask threads: 80% of the cores, at most 32."""
+    return max(1, min(32, (os.cpu_count() or 1) * 4 // 5))
+
+
+class XGrammarCompiler:
+    """xgrammar's side of ``GrammarCompiler``: its tokenizer info (about 0.3 s for a 150k vocabulary),
+    its compiler with a bounded cache, and the batched mask filler.
+
+    ``special_token_ids``: the ids that are never text (llguidance's special tokens: the tokenizer's
+    added tokens); xgrammar would otherwise let a string contain them as their text.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        special_token_ids: Iterable[int] = (),
+        num_threads: int | None = None,
+    ):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._words = bitmask_words(vocab_size)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+        )
+        special = set(special_token_ids) - set(eos_token_ids)
+        if not special <= set(info.special_token_ids):
+            # xgrammar takes a token with no text for a special one.
+            encoded = [""] * vocab_size
+            for token, token_id in tokenizer.get_vocab().items():
+                if token_id < vocab_size and token_id not in special:
+                    encoded[token_id] = token
+            info = xgrammar.TokenizerInfo(
+                encoded,
+                info.vocab_type,
+                vocab_size=vocab_size,
+                stop_token_ids=list(eos_token_ids),
+                add_prefix_space=info.add_prefix_space,
+            )
+        # Tokens the matcher refuses (with a warning on stderr, so they are refused here first).
+        self.never_text = frozenset(info.special_token_ids) - set(eos_token_ids)
+        self.num_threads = num_threads or default_num_threads()
+        self._compiler = xgrammar.GrammarCompiler(
+            info,
+            max_threads=self.num_threads,
+            cache_enabled=True,
+            cache_limit_bytes=XGRAMMAR_CACHE_LIMIT_BYTES,
+        )
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
+        eos_only = torch.zeros(1, self._words, dtype=torch.int32)
+        set_only(eos_only, 0, eos_token_ids)
+        self.eos_only = eos_only
+        # The ordinary tokens by their bytes, for ``force_longest_token``.
+        self._token_by_bytes: dict[bytes, int] = {}
+        for token_id, data in enumerate(info.decoded_vocab):
+            if data and token_id not in self.never_text and token_id not in eos_token_ids:
+                self._token_by_bytes.setdefault(data, token_id)
+        self._max_token_bytes = max(map(len, self._token_by_bytes), default=0)
+        self._check_string_fixes()
+
+    def _check_string_fixes(self) -> None:
+        """Raises RuntimeError unless ``fix_strings`` works on this version of xgrammar (it rewrites the
+        text of xgrammar's grammars, which another version may write otherwise)."""
+        schema = {
+            "type": "object",
+            "properties": {"a": {"type": "string", "maxLength": 4}, "b": {"type": "string"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        }
+        compiled = self._compile(json.dumps(schema), flexible_whitespace=False)
+        cases = {
+            '{"a":"\\"\\u001fx","b":"\\n\u00e9"}'.encode(): True,
+            b'{"a":"","b":"\\u00e9"}': False,
+            b'{"a":"\x01","b":""}': False,
+            b'{"a":"","b":"\x01"}': False,
+            b'{"a":"\xed\xa0\x80","b":""}': False,
+            b'{"a":"","b":"\xed\xa0\x80"}': False,
+            b'{"a":"\\/","b":""}': False,
+            b'{"a":"","b":"\x7f"}': False,
+        }
+        for text, valid in cases.items():
+            matcher = xgrammar.GrammarMatcher(compiled)
+            if (matcher.accept_string(text) and matcher.is_completed()) is not valid:
+                raise RuntimeError(
+                    f"this xgrammar's JSON strings are not fixed as expected ({text!r} is "
+                    f"{'refused' if valid else 'allowed'})"
+                )
+
+    def _compile(self, schema_text: str, flexible_whitespace: bool) -> xgrammar.CompiledGrammar:
+        layout: dict[str, Any] = {"any_whitespace": flexible_whitespace}
+        if not flexible_whitespace:
+            layout["separators"] = (",", ":")
+        grammar = xgrammar.Grammar.from_json_schema(schema_text, strict_mode=False, **layout)
+        return self._compiler.compile_grammar(xgrammar.Grammar.from_ebnf(fix_strings(str(grammar))))
+
+    def compile_json(self, schema_text: str | None, flexible_whitespace: bool) -> XGrammarGrammar:
+        """A matcher of ``schema_text`` (None: any JSON object). Raises what xgrammar raises when it
+        cannot compile the schema (RuntimeError and others)."""
+        compiled = self._compile(schema_text or '{"type":"object"}', flexible_whitespace)
+        return XGrammarGrammar(xgrammar.GrammarMatcher(compiled), self)
+
+    def force_longest_token(self, matcher: xgrammar.GrammarMatcher, bitmask: torch.Tensor, row: int) -> None:
+        """Where the grammar forces the next bytes (a property name, the separators around it),
+        ``bitmask[row]`` allows only the longest token they start with, as llguidance's masks do.
+
+        xgrammar allows every token that spells a prefix of them ("r", "ro" and "role" before "role"),
+        and a sampler that takes a short one writes the text in more tokens than the tokenizer would,
+        and in tokenizations a model has not seen. A forced text that is one token, which a longer
+        token may extend past the forced part, is left alone. About 2 us a row (most of it the
+        lookup of the forced text).
+        """
+        forced = matcher.find_jump_forward_string()
+        if not forced:
+            return
+        data = forced.encode()
+        for length in range(min(len(data), self._max_token_bytes), 0, -1):
+            token_id = self._token_by_bytes.get(data[:length])
+            if token_id is not None:
+                word, bit = divmod(token_id, BITS_PER_WORD)
+                if length < len(data) and (int(bitmask[row, word]) >> bit) & 1:
+                    set_only(bitmask, row, (token_id,))
+                return
+
+    def fill_bitmasks(self, grammars: Sequence[tuple[XGrammarGrammar, int]], bitmask: torch.Tensor) -> None:
+        """Fills the rows of ``grammars`` (checked by the caller) on xgrammar's threads."""
+        live = [(g, row) for g, row in grammars if not g._stopped and g._error is None]
+        if len(live) == 1:
+            live[0][0]._fill(bitmask, live[0][1])
+        elif live:
+            if self._batch is None:
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads=self.num_threads)
+            try:
+                self._batch.batch_fill_next_token_bitmask(
+                    [g._matcher for g, _ in live], bitmask, [row for _, row in live]
+                )
+            except Exception:  # noqa: BLE001 (one by one, so that only the failing rows fail)
+                for grammar, row in live:
+                    grammar._fill(bitmask, row)
+            else:
+                for grammar, row in live:
+                    self.force_longest_token(grammar._matcher, bitmask, row)
+        for grammar, row in grammars:
+            if grammar._stopped or grammar._error is not None:
+                set_only(bitmask, row, self.eos_token_ids)
+
+
+class XGrammarGrammar(Grammar):
+    """The xgrammar matcher of one request; the same interface and end-of-output semantics as
+    llguidance's (see backend.py). Built by ``GrammarCompiler.compile``."""
+
+    backend = "xgrammar"
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher, compiler: XGrammarCompiler):
+        self._matcher = matcher
+        self._compiler = compiler
+        self._stopped = False  # an EOS was accepted: only EOS from now on
+        self._error: str | None = None
+        # is_terminated() of the state after ``_terminated_at`` tokens (it fills a mask to know).
+        self._terminated_at = -1
+        self._terminated = False
+        self._scratch: torch.Tensor | None = None
+        self.num_accepted = 0
+
+    def accept_token(self, token_id: int) -> bool:
+        compiler = self._compiler
+        if not 0 <= token_id < compiler.vocab_size or self._error is not None:
+            return False
+        if self._stopped:
+            # As llguidance's matcher: EOS again and again (ignore_eos), nothing else.
+            if token_id not in compiler.eos_token_ids:
+                return False
+        elif token_id in compiler.never_text or not self._matcher.accept_token(token_id):
+            return False
+        elif token_id in compiler.eos_token_ids:
+            self._stopped = True
+        self.num_accepted += 1
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        check_bitmask(bitmask, self._compiler._words)
+        check_row(bitmask, row)
+        if self._stopped or self._error is not None:
+            set_only(bitmask, row, self._compiler.eos_token_ids)
+        else:
+            self._fill(bitmask, row)
+
+    def _fill(self, bitmask: torch.Tensor, row: int, longest: bool = True) -> None:
+        try:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+            if longest:
+                self._compiler.force_longest_token(self._matcher, bitmask, row)
+        except Exception as e:  # noqa: BLE001 (xgrammar's errors are RuntimeErrors of its FFI)
+            self._error = f"xgrammar failed to compute the mask: {str(e).strip()[:300]}"
+            set_only(bitmask, row, self._compiler.eos_token_ids)
+
+    def is_terminated(self) -> bool:
+        if self._stopped:
+            return True
+        if self._error is not None or not self._matcher.is_completed():
+            return False
+        # Complete: terminated when nothing but EOS may follow, which only the mask says. The scheduler
+        # asks after every token, so the answer is kept for the state.
+        if self._terminated_at != self.num_accepted:
+            if self._scratch is None:
+                self._scratch = torch.empty(1, self._compiler._words, dtype=torch.int32)
+            self._fill(self._scratch, 0, longest=False)
+            self._terminated = self._error is None and torch.equal(self._scratch, self._compiler.eos_only)
+            self._terminated_at = self.num_accepted
+        return self._terminated
+
+    def is_accepting(self) -> bool:
+        return self._error is None and (self._stopped or self._matcher.is_completed())
+
+    @property
+    def error(self) -> str | None:
+        return self._error
