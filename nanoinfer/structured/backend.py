@@ -321,6 +321,7 @@ class GrammarCompiler:
                         self.eos_token_ids,
                         special_token_ids=self._special_token_ids,
                         num_threads=self._num_threads,
+                        greedy_tokenize=self._tokenizer.greedy_tokenize,
                     )
                 except Exception as e:  # noqa: BLE001 (not installed, or not working as expected)
                     if self.backend == "xgrammar":
