@@ -45,6 +45,8 @@ from nanoinfer.structured.backend import (
 # The compiled grammars xgrammar keeps for reuse (requests that share a schema compile it once): about
 # 0.5 MB per realistic schema at a 150k vocabulary, bounded here.
 XGRAMMAR_CACHE_LIMIT_BYTES = 256 * 1024 * 1024
+# Forced texts whose first token is kept (canonical_forced_token); all are forgotten past it.
+_FORCED_TOKENS_KEPT = 16384
 
 # -- which schemas xgrammar compiles quickly -------------------------------------------------------------
 #
@@ -423,6 +425,7 @@ class XGrammarCompiler:
         self._batch: xgrammar.BatchGrammarMatcher | None = None
         # A text's tokens as the tokenizer writes them; None: no forced tokens (see canonical_forced_token).
         self._tokenize = tokenize
+        self._forced_tokens: dict[str, int | None] = {}  # forced text: its first token (None: leave it)
         eos_only = torch.zeros(1, self._words, dtype=torch.int32)
         set_only(eos_only, 0, eos_token_ids)
         self.eos_only = eos_only
@@ -481,21 +484,28 @@ class XGrammarCompiler:
         xgrammar allows every token that spells a prefix of them ("r", "ro" and "role" before "role"),
         and a sampler that takes another writes the text in more tokens than the tokenizer would, in
         tokenizations a model has not seen. A forced text that is one token is left alone (a longer
-        token may extend it past the forced part). About 2 us a row, 6 us where the text is forced.
+        token may extend it past the forced part). About 2 us a row (the forced texts of a schema recur
+        across steps and requests, so their first tokens are kept).
         """
         if self._tokenize is None:
             return
         forced = matcher.find_jump_forward_string()
-        if forced:
+        if not forced:
+            return
+        token_id = self._forced_tokens.get(forced, -1)
+        if token_id == -1:
             tokens = self._tokenize(forced)
-            if len(tokens) > 1:
-                word, bit = divmod(tokens[0], BITS_PER_WORD)
-                value = int(words[row, word])
-                if (value >> bit) & 1:
-                    words[row] = 0
-                    # The allowed bit alone, as an int32 (bit 31 is the sign bit).
-                    value = 1 << bit
-                    words[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+            token_id = tokens[0] if len(tokens) > 1 else None
+            if len(self._forced_tokens) >= _FORCED_TOKENS_KEPT:
+                self._forced_tokens.clear()
+            self._forced_tokens[forced] = token_id
+        if token_id is not None:
+            word, bit = divmod(token_id, BITS_PER_WORD)
+            if (int(words[row, word]) >> bit) & 1:
+                words[row] = 0
+                # The allowed bit alone, as an int32 (bit 31 is the sign bit).
+                value = 1 << bit
+                words[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
     def fill_bitmasks(self, grammars: Sequence[tuple[XGrammarGrammar, int]], bitmask: torch.Tensor) -> None:
         """Fills the rows of ``grammars`` (checked by the caller) on xgrammar's threads."""
