@@ -13,12 +13,20 @@ and, on the largest vocabulary, how each handles pathological schemas and regexe
 process killed after ``--timeout`` seconds): compile time, the slowest of the first 50 mask steps, or
 the error it raised. Rejecting a bad input quickly is a good outcome; freezing is the bad one.
 
-nanoinfer uses llguidance; xgrammar is only needed here, for the comparison
-(``pip install --no-deps xgrammar apache-tvm-ffi``: its other requirements are nanoinfer's own, except
-triton, which it does not need on the CPU).
+Two more modes measure nanoinfer's own ``GrammarCompiler`` on the largest vocabulary given:
+
+- ``--auto``: the engine's step for the schema of benchmarks/structured_outputs.py: ``rows`` (64)
+  matchers along random walks (a finished one is replaced by a fresh one, as a new request would be),
+  the time of each step's ``fill_bitmasks`` for its "llguidance" and "auto" backends, and their
+  compile times (the first one, which builds xgrammar's tokenizer info, and then one from the cache);
+- ``--limits``: how xgrammar's compile time (cache off) grows along each dimension that
+  ``xgrammar_backend.unsuitable_reason`` bounds, with the slowest mask of a short random walk and
+  where "auto" routes each schema; each case in a child process killed after ``--timeout`` seconds.
 
     python3 benchmarks/structured_backends.py [--tokenizers tiny,smollm2,qwen3] [--timeout 20]
         [--result-file benchmarks/results/structured_backends_cpu.json]
+    python3 benchmarks/structured_backends.py --auto [--tokenizers qwen3] [--rows 64] [--steps 100]
+    python3 benchmarks/structured_backends.py --limits [--tokenizers qwen3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -407,6 +415,193 @@ def _describe(outcome: dict) -> str:
     return f"{outcome['outcome']}: {outcome.get('error', '')[:70]!r}"
 
 
+# -- nanoinfer's GrammarCompiler: the auto backend and the limits of its routing -----------------------------
+
+
+def _engine_schema() -> dict:
+    """The schema of benchmarks/structured_outputs.py (its 64 constrained requests)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from structured_outputs import SCHEMA as ENGINE_SCHEMA
+
+    return ENGINE_SCHEMA
+
+
+def _sample_allowed(bitmask: torch.Tensor, vocab_size: int, generator: torch.Generator) -> list[int]:
+    """One allowed token of each row of ``bitmask``, uniformly at random."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1)[:, :vocab_size].float()
+    return torch.multinomial(allowed, 1, generator=generator).flatten().tolist()
+
+
+def measure_auto(tokenizer, vocab_size: int, rows: int, steps: int, threads: int | None) -> dict:
+    from nanoinfer.structured import GrammarCompiler, StructuredOutputsParams, allocate_token_bitmask
+
+    params = StructuredOutputsParams(json=_engine_schema())
+    result: dict = {"rows": rows, "steps": steps, "threads": threads or "default"}
+    for backend in ("llguidance", "auto"):
+        start = time.perf_counter()
+        compiler = GrammarCompiler(tokenizer, vocab_size, num_threads=threads, backend=backend)
+        setup = time.perf_counter() - start
+        start = time.perf_counter()
+        first = compiler.compile(params)
+        first_compile = time.perf_counter() - start
+        start = time.perf_counter()
+        compiler.compile(params)
+        cached_compile = time.perf_counter() - start
+        generator = torch.Generator().manual_seed(0)
+        bitmask = allocate_token_bitmask(rows, vocab_size)
+        grammars = [compiler.compile(params) for _ in range(rows)]
+        # Rows at different positions: row i takes i % 24 tokens first.
+        for warmup in range(24):
+            live = [(g, i) for i, g in enumerate(grammars) if i % 24 > warmup]
+            if live:
+                compiler.fill_bitmasks(live, bitmask)
+                tokens = _sample_allowed(bitmask, vocab_size, generator)
+                for grammar, i in live:
+                    grammar.accept_token(tokens[i])
+        times, finished = [], 0
+        for _ in range(steps):
+            start = time.perf_counter()
+            compiler.fill_bitmasks([(g, i) for i, g in enumerate(grammars)], bitmask)
+            times.append(time.perf_counter() - start)
+            tokens = _sample_allowed(bitmask, vocab_size, generator)
+            for i, grammar in enumerate(grammars):
+                if not grammar.accept_token(tokens[i]):
+                    raise RuntimeError(f"{backend}: the mask allowed {tokens[i]}, the matcher refused it")
+                if grammar.is_terminated():
+                    grammars[i] = compiler.compile(params)
+                    finished += 1
+        ms = sorted(t * 1e3 for t in times)
+        result[backend] = {
+            "matcher": first.backend,
+            "setup_s": round(setup, 3),
+            "first_compile_ms": round(first_compile * 1e3, 2),
+            "cached_compile_ms": round(cached_compile * 1e3, 3),
+            "fill_ms_median": round(statistics.median(ms), 3),
+            "fill_ms_mean": round(statistics.fmean(ms), 3),
+            "fill_ms_p90": round(_percentile(ms, 0.9), 3),
+            "fill_ms_max": round(ms[-1], 3),
+            "outputs_finished": finished,
+        }
+        print(f"  {backend:10s} {result[backend]}", flush=True)
+    return result
+
+
+def _open_object(names: list[str]) -> dict:
+    return {"type": "object", "properties": {n: {"type": "integer"} for n in names}}
+
+
+def _closed(schema: dict) -> dict:
+    return dict(schema, additionalProperties=False)
+
+
+_WORDS = ["name", "age", "email", "city", "street", "zip", "country", "phone", "title", "tags", "id"]
+_WORDS += ["kind", "score", "active", "notes", "date"]
+
+
+def _closed_nested(depth: int) -> str:
+    return (
+        '{"type":"object","additionalProperties":false,"properties":{"a":' * depth
+        + '{"type":"integer"}'
+        + '},"required":["a"]}' * depth
+    )
+
+
+def _pattern(pattern: str) -> dict:
+    return {"type": "string", "pattern": pattern}
+
+
+def _any_of(n: int) -> dict:
+    branches = [_closed(_open_object([f"k{i}_{j}" for j in range(8)])) for i in range(n)]
+    return {"type": "array", "items": {"anyOf": branches}}
+
+
+def _free_objects(n: int) -> dict:
+    return _closed({"type": "object", "properties": {f"a{i}": {"type": "object"} for i in range(n)}})
+
+
+def _array(n: int) -> dict:
+    return {"type": "array", "items": {"type": "integer"}, "maxItems": n}
+
+
+# Each dimension that unsuitable_reason bounds, below and above its limit.
+LIMIT_CASES = {
+    "open object (p0..pn)": [(n, _open_object([f"p{i}" for i in range(n)])) for n in (1, 16)],
+    "open object (words)": [(n, _open_object(_WORDS[:n])) for n in (4, 16)],
+    "closed object (words)": [(n, _closed(_open_object(_WORDS[:n]))) for n in (4, 16)],
+    "free-form objects": [(n, _free_objects(n)) for n in (1, 8)],
+    "closed nesting": [(n, _closed_nested(n)) for n in (8, 32, 64, 128)],
+    "enum values": [(n, {"enum": [f"value_{i:05d}" for i in range(n)]}) for n in (512, 1024, 20000)],
+    "optional properties": [(n, _closed(_open_object([f"p{i}" for i in range(n)]))) for n in (128, 256, 512)],
+    "anyOf alternatives": [(n, _any_of(n)) for n in (8, 32, 64)],
+    "pattern [a-z]{1,n}": [(n, _pattern(f"^[a-z]{{1,{n}}}$")) for n in (16, 32, 64)],
+    "pattern \\w{1,n}": [(n, _pattern(f"^\\w{{1,{n}}}$")) for n in (16, 32)],
+    "pattern [ -~]{1,n}": [(n, _pattern(f"^[ -~]{{1,{n}}}$")) for n in (8, 12, 16)],
+    "pattern [0-9]{1,n}": [(n, _pattern(f"^[0-9]{{1,{n}}}$")) for n in (64, 255)],
+    "pattern nested": [(n, _pattern(f"^(([a-z]{{1,{n}}}\\-){{1,{n}}}x)$")) for n in (4, 8, 32)],
+    "string maxLength": [(n, {"type": "string", "maxLength": n}) for n in (64, 100000)],
+    "array maxItems": [(n, _array(n)) for n in (16, 100000)],
+    "schema size (const)": [(n, {"const": "x" * n}) for n in (1000, 15000)],
+}
+
+
+def _limits_child(conn, tokenizer, vocab_size: int, schema_text: str, threads: int | None) -> None:
+    try:
+        from nanoinfer.structured import GrammarCompiler, allocate_token_bitmask
+
+        compiler = GrammarCompiler(tokenizer, vocab_size, num_threads=threads, backend="xgrammar").xgrammar
+        best = float("inf")
+        for _ in range(3):
+            compiler.clear_cache()
+            start = time.perf_counter()
+            grammar = compiler.compile_json(schema_text, flexible_whitespace=False)
+            best = min(best, time.perf_counter() - start)
+        bitmask = allocate_token_bitmask(1, vocab_size)
+        generator = torch.Generator().manual_seed(0)
+        slowest = 0.0
+        for _ in range(30):
+            start = time.perf_counter()
+            grammar.fill_bitmask(bitmask, 0)
+            slowest = max(slowest, time.perf_counter() - start)
+            if grammar.is_terminated():
+                break
+            grammar.accept_token(_sample_allowed(bitmask, vocab_size, generator)[0])
+        conn.send({"compile_ms": round(best * 1e3, 1), "max_mask_ms": round(slowest * 1e3, 3)})
+    except Exception as e:  # noqa: BLE001 (an outcome to report)
+        conn.send({"error": str(e).strip()[:120]})
+
+
+def measure_limits(tokenizer, vocab_size: int, timeout: float, threads: int | None) -> list[dict]:
+    from nanoinfer.structured.xgrammar_backend import unsuitable_reason
+
+    context = multiprocessing.get_context("fork")
+    results = []
+    for family, cases in LIMIT_CASES.items():
+        for size, schema in cases:
+            text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
+            reason = unsuitable_reason(json.loads(text), len(text.encode()))
+            parent, child = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_limits_child, args=(child, tokenizer, vocab_size, text, threads)
+            )
+            process.start()
+            outcome = parent.recv() if parent.poll(timeout) else {"error": f"timeout (> {timeout:g} s)"}
+            process.kill()
+            process.join()
+            row = {"case": family, "n": size, "bytes": len(text.encode()), **outcome}
+            row["auto"] = "xgrammar" if reason is None else f"llguidance: {reason}"
+            results.append(row)
+            measured = (
+                f"{row['compile_ms']:8.1f} ms, masks <= {row['max_mask_ms']:.2f} ms"
+                if "compile_ms" in row
+                else row["error"][:40]
+            )
+            print(f"  {family:22s} {size:>6} {row['bytes']:>6} B  {measured:34s} auto: {row['auto'][:60]}")
+    return results
+
+
 # -- tokenizers -------------------------------------------------------------------------------------------
 
 
@@ -474,10 +669,31 @@ def main() -> None:
         help="runs of the main measurements; each number is the best of them",
     )
     parser.add_argument("--result-file", default=None)
+    parser.add_argument("--auto", action="store_true", help="only the auto-backend measurement")
+    parser.add_argument("--limits", action="store_true", help="only the routing-limits measurement")
+    parser.add_argument("--rows", type=int, default=64, help="--auto: matchers per step")
+    parser.add_argument("--steps", type=int, default=100, help="--auto: steps measured")
+    parser.add_argument("--threads", type=int, default=None, help="--auto, --limits: GrammarCompiler's")
     args = parser.parse_args()
     backend_names = args.backends.split(",")
     with tempfile.TemporaryDirectory() as scratch:
         tokenizers = load_tokenizers(args.tokenizers.split(","), scratch)
+        if args.auto or args.limits:
+            name = list(tokenizers)[-1]
+            vocab_size = TOKENIZER_VOCAB[name]
+            result: dict = {"tokenizer": name, "model_vocab": vocab_size, "cores": os.cpu_count()}
+            if args.auto:
+                print(f"auto backend, {args.rows} rows, {name} tokenizer (model vocabulary {vocab_size}):")
+                result["auto"] = measure_auto(
+                    tokenizers[name], vocab_size, args.rows, args.steps, args.threads
+                )
+            if args.limits:
+                print(f"xgrammar compile time along the routing limits, {name} tokenizer:")
+                result["limits"] = measure_limits(tokenizers[name], vocab_size, args.timeout, args.threads)
+            if args.result_file:
+                Path(args.result_file).write_text(json.dumps(result, indent=2) + "\n")
+                print(f"wrote {args.result_file}")
+            return
         pathological = {}
         if not args.skip_pathological:
             name = list(tokenizers)[-1]

@@ -5,8 +5,9 @@ turns it into a per-request ``Grammar`` matcher that fills token bitmasks; ``app
 (torch) and ``triton_bitmask.apply_token_bitmask`` (GPU) apply them to logits; ``tool_call_constraint``
 builds the constraint that forces OpenAI tool calls.
 
-Only ``StructuredOutputsParams`` is imported with the package: the others load llguidance, which an
-engine that never sees a constrained request does not need (they are imported on first access).
+Only ``StructuredOutputsParams`` is imported with the package: the others load llguidance (and the first
+JSON schema loads xgrammar), which an engine that never sees a constrained request does not need (they
+are imported on first access).
 """
 
 import importlib

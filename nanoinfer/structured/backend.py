@@ -1,4 +1,11 @@
-"""Grammar matching with llguidance: one compiler per engine, one matcher (``Grammar``) per request.
+"""Grammar matching: one compiler per engine, one matcher (``Grammar``) per request.
+
+Two libraries back the matchers (``GrammarCompiler`` picks; the engine does not care which): xgrammar
+(``xgrammar_backend.py``) for the JSON schemas that it compiles quickly, llguidance for everything
+else (regexes, choices, grammars, tool calls, and the schemas that xgrammar would take long to compile or
+does not implement as llguidance does). Both follow the semantics below, and llguidance's: the same
+schemas are accepted and rejected, and xgrammar's masks are llguidance's but for a bounded string's
+escapes (see ``xgrammar_backend.py``).
 
 Each step the engine asks every constrained request's ``Grammar`` for the bitmask of the tokens it
 allows next (``fill_bitmask``, or ``GrammarCompiler.fill_bitmasks`` for many rows in parallel), applies
@@ -17,19 +24,24 @@ later mask allows EOS again, so the output continues with EOS tokens up to ``max
 ``min_tokens`` (its EOS ban would leave no token allowed at all): the engine should finish a request
 whose grammar ``is_terminated()`` instead of sampling from such a row.
 
-Cost: compiling is lazy and cheap (about a millisecond for a realistic schema, whatever the vocabulary):
-the lexer is built as tokens arrive. Each mask costs tens to hundreds of microseconds at a 150k
-vocabulary (more on the first visit of a lexer state), bounded by llguidance's per-step fuel; see
-benchmarks/structured_backends.py.
+Cost (at Qwen3's 150k vocabulary; benchmarks/structured_backends.py): llguidance compiles lazily and
+cheaply (about a millisecond for a realistic schema: its lexer is built as tokens arrive), and each mask
+costs tens to hundreds of microseconds (more on the first visit of a lexer state), bounded by its
+per-step fuel. xgrammar precomputes masks when it compiles (5-50 ms for the schemas routed to it, once
+per schema: compiled grammars are cached), and then a mask costs about 10 microseconds.
 
-Threads: a ``Grammar`` may be used from any thread but by one at a time; llguidance releases the GIL
-while it compiles and computes masks, so compiling in a worker thread does not stall the event loop.
+Threads: a ``Grammar`` may be used from any thread but by one at a time; both libraries release the GIL
+while they compile and compute masks, so compiling in a worker thread does not stall the event loop.
 """
 
 from __future__ import annotations
 
+import abc
 import json
+import logging
+import threading
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
@@ -37,6 +49,11 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from nanoinfer.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from nanoinfer.structured.xgrammar_backend import XGrammarCompiler
+
+logger = logging.getLogger(__name__)
 
 BITS_PER_WORD = 32
 
@@ -67,7 +84,7 @@ def allocate_token_bitmask(rows: int, vocab_size: int, pin_memory: bool = False)
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin_memory)
 
 
-def _check_bitmask(bitmask: torch.Tensor, words: int) -> None:
+def check_bitmask(bitmask: torch.Tensor, words: int) -> None:
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
         raise ValueError(
             f"the bitmask must be a 2-D int32 CPU tensor, got {bitmask.dtype} {tuple(bitmask.shape)} "
@@ -80,21 +97,57 @@ def _check_bitmask(bitmask: torch.Tensor, words: int) -> None:
         )
 
 
-class Grammar:
+def check_row(bitmask: torch.Tensor, row: int) -> None:
+    if not 0 <= row < bitmask.shape[0]:
+        raise ValueError(f"row must be in [0, {bitmask.shape[0]}), got {row}")
+
+
+class Grammar(abc.ABC):
     """The matcher of one request: which tokens may come next, advanced by each accepted token.
 
-    Built by ``GrammarCompiler.compile``.
+    Built by ``GrammarCompiler.compile``, backed by llguidance (``LLGuidanceGrammar``) or, for JSON
+    schemas it compiles quickly, by xgrammar (``xgrammar_backend.XGrammarGrammar``); the engine does not
+    care which. ``backend`` names it.
     """
+
+    backend: str
+    num_accepted: int  # tokens accepted so far, EOS included
+
+    @abc.abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advances the matcher by ``token_id``; False (state unchanged) when the token is not allowed."""
+
+    @abc.abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the allowed next tokens into ``bitmask[row]`` (an int32 CPU tensor [rows, words])."""
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """The constraint is complete and nothing can extend it: only EOS remains allowed."""
+
+    @abc.abstractmethod
+    def is_accepting(self) -> bool:
+        """What was accepted so far is a complete output (EOS is allowed now)."""
+
+    @property
+    @abc.abstractmethod
+    def error(self) -> str | None:
+        """Why this grammar cannot go on (a resource limit was hit, the library failed), or None."""
+
+
+class LLGuidanceGrammar(Grammar):
+    """A request's llguidance matcher."""
+
+    backend = "llguidance"
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._words = bitmask_words(vocab_size)
         self._eos_token_ids = eos_token_ids
-        self.num_accepted = 0  # tokens accepted so far, EOS included
+        self.num_accepted = 0
 
     def accept_token(self, token_id: int) -> bool:
-        """Advances the matcher by ``token_id``; False (state unchanged) when the token is not allowed."""
         matcher = self._matcher
         if not 0 <= token_id < self._vocab_size or matcher.is_error():
             return False
@@ -109,10 +162,8 @@ class Grammar:
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Writes the allowed next tokens into ``bitmask[row]`` (an int32 CPU tensor [rows, words])."""
-        _check_bitmask(bitmask, self._words)
-        if not 0 <= row < bitmask.shape[0]:
-            raise ValueError(f"row must be in [0, {bitmask.shape[0]}), got {row}")
+        check_bitmask(bitmask, self._words)
+        check_row(bitmask, row)
         words = bitmask[row]
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), self._words * 4)
         self._after_fill(bitmask, row)
@@ -124,16 +175,13 @@ class Grammar:
             set_only(bitmask, row, self._eos_token_ids)
 
     def is_terminated(self) -> bool:
-        """The constraint is complete and nothing can extend it: only EOS remains allowed."""
         return self._matcher.is_stopped() and not self._matcher.is_error()
 
     def is_accepting(self) -> bool:
-        """What was accepted so far is a complete output (EOS is allowed now)."""
         return self._matcher.is_accepting()
 
     @property
     def error(self) -> str | None:
-        """Why this grammar cannot go on (a resource limit was hit), or None."""
         if not self._matcher.is_error():
             return None
         return _first_lines(self._matcher.get_error()) or "unknown error"
@@ -150,6 +198,9 @@ def set_only(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
         bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
+BACKENDS = ("auto", "llguidance", "xgrammar")
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` into per-request ``Grammar`` matchers for one tokenizer.
 
@@ -158,7 +209,16 @@ class GrammarCompiler:
     EOS); all of them are allowed when the output is complete. ``special_tokens``: the texts of the
     tokens that grammars must name as special tokens (pass it to ``tool_call_constraint``).
 
-    Building it takes up to about a second for a 150k vocabulary (the token trie); do it once per engine.
+    ``backend``: "auto" (the default) compiles JSON schemas (``json``, ``json_object``) with xgrammar
+    when ``xgrammar_backend.unsuitable_reason`` finds nothing against it (its compile time is then
+    bounded, and its masks are much cheaper), everything else with llguidance; every schema is first
+    validated by llguidance, so that the same schemas are accepted and rejected (with the same errors)
+    whichever backend runs them, and one that xgrammar fails to compile falls back to llguidance.
+    "llguidance" uses llguidance only; "xgrammar" compiles every JSON schema with xgrammar, unchecked
+    (tests). Regexes, choices and grammars are llguidance's in every mode.
+
+    Building it takes up to about a second for a 150k vocabulary (llguidance's token trie); do it once
+    per engine. xgrammar's tokenizer info (about 0.3 s more) is built by the first JSON schema.
     """
 
     def __init__(
@@ -167,7 +227,10 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_ids: Iterable[int] | None = None,
         num_threads: int | None = None,
+        backend: str = "auto",
     ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         eos = tuple(sorted(set(eos_token_ids)))
@@ -184,17 +247,22 @@ class GrammarCompiler:
             )
         self.vocab_size = vocab_size
         self.eos_token_ids = eos
+        self.backend = backend
+        self._hf_tokenizer = tokenizer
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos))
         # Added tokens are special to llguidance even where the tokenizer says they are text (Qwen3's
         # <tool_call>, <think>): a grammar matches them only by name (``<tool_call>`` in Lark), not by a
         # string literal.
         added = getattr(tokenizer, "added_tokens_decoder", {})
-        self.special_tokens = frozenset(
-            token.content for token_id, token in added.items() if self._tokenizer.is_special_token(token_id)
+        self._special_token_ids = tuple(
+            token_id for token_id in added if self._tokenizer.is_special_token(token_id)
         )
+        self.special_tokens = frozenset(added[token_id].content for token_id in self._special_token_ids)
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         self._num_threads = num_threads
         self._executor: llguidance.LLExecutor | None = None
+        self._xgrammar: XGrammarCompiler | None = None
+        self._xgrammar_lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> Grammar:
         """A fresh matcher for one request. Raises ValueError naming the field when the schema, regex
@@ -208,10 +276,67 @@ class GrammarCompiler:
                 raise
             # llguidance parses the schema text with a nesting limit of 128 levels.
             raise ValueError(f"structured_outputs.{field} is invalid: {_first_lines(message)}") from None
+        if field in ("json", "json_object") and self.backend != "llguidance":
+            matcher = self._compile_xgrammar(params, grammar)
+            if matcher is not None:
+                return matcher
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{field} is invalid: {_first_lines(matcher.get_error())}")
-        return Grammar(matcher, self.vocab_size, self.eos_token_ids)
+        return LLGuidanceGrammar(matcher, self.vocab_size, self.eos_token_ids)
+
+    def _compile_xgrammar(self, params: StructuredOutputsParams, grammar: str) -> Grammar | None:
+        """The xgrammar matcher of a JSON constraint, or None where llguidance should compile it."""
+        # llguidance validates (without building its lexer: tens of microseconds), so that the schemas
+        # accepted and the errors do not depend on the backend.
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if is_error:
+            message = _first_lines(messages[0]) if messages else "unknown error"
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {message}")
+        forced = self.backend == "xgrammar"
+        schema_text = params.schema_text if params.kind == "json" else None
+        if not forced and schema_text is not None:
+            from nanoinfer.structured.xgrammar_backend import unsuitable_reason
+
+            reason = unsuitable_reason(json.loads(schema_text), len(schema_text.encode()))
+            if reason is not None:
+                logger.debug("structured outputs: llguidance compiles this schema: %s", reason)
+                return None
+        compiler = self.xgrammar
+        if compiler is None:
+            return None
+        try:
+            return compiler.compile_json(schema_text, not params.disable_any_whitespace)
+        except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeErrors of its FFI, among others)
+            message = _first_lines(str(e)) or type(e).__name__
+            if forced:
+                raise ValueError(f"structured_outputs.{params.kind} is invalid: {message}") from None
+            logger.debug("structured outputs: xgrammar did not compile this schema (%s): llguidance", message)
+            return None
+
+    @property
+    def xgrammar(self) -> XGrammarCompiler | None:
+        """xgrammar's compiler for this tokenizer, built on first use; None (with a warning, once) where
+        it cannot be built, and JSON schemas then stay on llguidance ("auto")."""
+        with self._xgrammar_lock:
+            if self._xgrammar is None and self.backend != "llguidance":
+                try:
+                    from nanoinfer.structured.xgrammar_backend import XGrammarCompiler
+
+                    self._xgrammar = XGrammarCompiler(
+                        self._hf_tokenizer,
+                        self.vocab_size,
+                        self.eos_token_ids,
+                        special_token_ids=self._special_token_ids,
+                        num_threads=self._num_threads,
+                        tokenize=self._tokenizer.tokenize_str,
+                    )
+                except Exception as e:  # noqa: BLE001 (not installed, or not working as expected)
+                    if self.backend == "xgrammar":
+                        raise
+                    logger.warning("structured outputs: xgrammar is not usable (%s): llguidance only", e)
+                    self.backend = "llguidance"
+            return self._xgrammar
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
         whitespace = {"whitespace_flexible": not params.disable_any_whitespace}
@@ -235,21 +360,26 @@ class GrammarCompiler:
         return matcher_cls.grammar_from_lark(lark)
 
     def fill_bitmasks(self, grammars: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
-        """``fill_bitmask`` of many (grammar, row) pairs at once, in parallel on llguidance's threads
-        (``num_threads``, default 80% of the cores up to 32). Rows not listed are left as they are."""
+        """``fill_bitmask`` of many (grammar, row) pairs at once: llguidance's rows in parallel on its
+        threads (``num_threads``, default 80% of the cores up to 32), then xgrammar's on its threads (as
+        many). Rows not listed are left as they are."""
         words = bitmask_words(self.vocab_size)
-        _check_bitmask(bitmask, words)
+        check_bitmask(bitmask, words)
         rows = [row for _, row in grammars]
         if len(set(rows)) != len(rows) or not all(0 <= row < bitmask.shape[0] for row in rows):
             raise ValueError(f"rows must be distinct and in [0, {bitmask.shape[0]}), got {rows}")
-        if not grammars:
+        ours = [(g, row) for g, row in grammars if isinstance(g, LLGuidanceGrammar)]
+        if len(ours) < len(grammars):
+            theirs = [(g, row) for g, row in grammars if not isinstance(g, LLGuidanceGrammar)]
+            self._xgrammar.fill_bitmasks(theirs, bitmask)
+        if not ours:
             return
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
         self._executor.unsafe_compute_mask_ptr(
-            [(g._matcher, row) for g, row in grammars], bitmask.data_ptr(), words * 4, bitmask.shape[0]
+            [(g._matcher, row) for g, row in ours], bitmask.data_ptr(), words * 4, bitmask.shape[0]
         )
-        for grammar, row in grammars:
+        for grammar, row in ours:
             grammar._after_fill(bitmask, row)
 
 

