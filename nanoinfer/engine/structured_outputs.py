@@ -21,7 +21,7 @@ from nanoinfer.engine.request import engine_eos_token_ids
 from nanoinfer.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    # llguidance is imported by the first constrained request only.
+    # The grammar libraries are imported by the first constrained request only.
     from nanoinfer.structured.backend import Grammar, GrammarCompiler
 
 
@@ -35,8 +35,9 @@ class GrammarBitmask:
 
 class StructuredOutputManager:
     """Compiles constraints into matchers and fills bitmasks. The grammar compiler (llguidance's token
-    trie: up to a second for a 150k vocabulary) is built by the first constrained request, so that
-    engines that never see one never pay for it."""
+    trie, and for JSON xgrammar's tokenizer info: together about a second and a half for a 150k
+    vocabulary) is built by the first constrained request, so that engines that never see one never
+    pay for it."""
 
     def __init__(self, config: EngineConfig, tokenizer: Callable[[], Any]):
         self._config = config
@@ -64,7 +65,7 @@ class StructuredOutputManager:
         return self.compiler.compile(params)
 
     def bitmask(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
-        """The bitmask of (scheduled row, matcher) pairs, filled on llguidance's threads."""
+        """The bitmask of (scheduled row, matcher) pairs, filled on the grammar libraries' threads."""
         from nanoinfer.structured.backend import allocate_token_bitmask
 
         started = time.perf_counter()
