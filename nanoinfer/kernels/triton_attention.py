@@ -150,6 +150,18 @@ def _scale_args(k_scale, v_scale, dummy: torch.Tensor) -> dict:
     }
 
 
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
+    """The paged caches' block, slot and head strides, as every kernel here names them."""
+    return {
+        "stride_kcb": k_cache.stride(0),
+        "stride_kcs": k_cache.stride(1),
+        "stride_kch": k_cache.stride(2),
+        "stride_vcb": v_cache.stride(0),
+        "stride_vcs": v_cache.stride(1),
+        "stride_vch": v_cache.stride(2),
+    }
+
+
 @triton.jit
 def _load_scale(scale_ptr, SCALED: tl.constexpr):
     if SCALED:
@@ -254,12 +266,7 @@ def store_kvcache(
         stride_kh=key.stride(1),
         stride_vt=value.stride(0),
         stride_vh=value.stride(1),
-        stride_kcb=k_cache.stride(0),
-        stride_kcs=k_cache.stride(1),
-        stride_kch=k_cache.stride(2),
-        stride_vcb=v_cache.stride(0),
-        stride_vcs=v_cache.stride(1),
-        stride_vch=v_cache.stride(2),
+        **_cache_strides(k_cache, v_cache),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
@@ -705,12 +712,7 @@ def _launch_decode(
         num_splits=num_splits,
         stride_qb=query.stride(0),
         stride_qh=query.stride(1),
-        stride_kcb=k_cache.stride(0),
-        stride_kcs=k_cache.stride(1),
-        stride_kch=k_cache.stride(2),
-        stride_vcb=v_cache.stride(0),
-        stride_vcs=v_cache.stride(1),
-        stride_vch=v_cache.stride(2),
+        **_cache_strides(k_cache, v_cache),
         stride_bt=block_tables.stride(0),
         stride_ob=out.stride(0),
         stride_oh=out.stride(1),
@@ -1005,12 +1007,7 @@ def _launch_prefill(
         num_tokens=num_tokens,
         stride_qt=query.stride(0),
         stride_qh=query.stride(1),
-        stride_kcb=k_cache.stride(0),
-        stride_kcs=k_cache.stride(1),
-        stride_kch=k_cache.stride(2),
-        stride_vcb=v_cache.stride(0),
-        stride_vcs=v_cache.stride(1),
-        stride_vch=v_cache.stride(2),
+        **_cache_strides(k_cache, v_cache),
         stride_bt=block_tables.stride(0),
         stride_ot=out.stride(0),
         stride_oh=out.stride(1),

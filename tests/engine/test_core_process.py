@@ -14,31 +14,13 @@ import zmq
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine import wire
-from nanoinfer.engine.core import EngineCore
 from nanoinfer.engine.core_process import _UTILITIES, run_engine_core
 from nanoinfer.frontend.input_processor import InputProcessor
 from nanoinfer.models.checkpoint import load_tokenizer
 from nanoinfer.sampling_params import SamplingParams
+from tests.engine.core_factories import no_core, slow_core, step_fails_core
 
 KWARGS = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 64}
-
-
-class _StepFailsCore(EngineCore):
-    """Its third step raises, as a device failure would (not attributable to any request)."""
-
-    def step(self):
-        self.num_steps = getattr(self, "num_steps", 0) + 1
-        if self.num_steps == 3:
-            raise RuntimeError("injected step failure")
-        return super().step()
-
-
-def _no_core(config):
-    raise RuntimeError("injected start failure")
-
-
-def _slow_core(config):
-    time.sleep(30)
 
 
 class _Engine:
@@ -198,7 +180,7 @@ def test_sigterm_exits_zero_mid_run(config, tmp_path):
 
 
 def test_start_failure_is_reported(config, tmp_path):
-    engine = _Engine(config, tmp_path, core_factory=_no_core)
+    engine = _Engine(config, tmp_path, core_factory=no_core)
     try:
         message = engine.recv()
         assert isinstance(message, wire.FatalError)
@@ -211,7 +193,7 @@ def test_start_failure_is_reported(config, tmp_path):
 
 
 def test_step_failure_is_fatal(config, tmp_path):
-    engine = _Engine(config, tmp_path, core_factory=_StepFailsCore)
+    engine = _Engine(config, tmp_path, core_factory=step_fails_core("injected step failure"))
     try:
         assert isinstance(engine.recv(), wire.Ready)
         engine.send(wire.AddRequests(_requests(config, "f", count=2, max_tokens=50)))
@@ -230,7 +212,7 @@ def test_exits_when_its_parent_is_gone(config, tmp_path):
     """A parent pid that is not its parent's (-1: no process has it) is a parent that died: it exits
     within about a second, even while its core is still being built, and removes the parent's socket
     files."""
-    engine = _Engine(config, tmp_path, core_factory=_slow_core, parent_pid=-1)
+    engine = _Engine(config, tmp_path, core_factory=slow_core(30), parent_pid=-1)
     try:
         engine.process.join(10)
         assert engine.process.exitcode == 1

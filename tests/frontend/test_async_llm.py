@@ -19,10 +19,10 @@ import pytest
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import EngineConfig
-from nanoinfer.engine.core import EngineCore
 from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError
 from nanoinfer.frontend.llm_engine import LLMEngine
 from nanoinfer.sampling_params import RequestOutputKind
+from tests.engine.core_factories import step_fails_core
 from tests.entrypoints.engine_delays import delayed_core
 
 ENGINE_KWARGS = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 64}
@@ -294,16 +294,6 @@ def test_bad_request_fails_alone(llm, reference):
     asyncio.run(main())
 
 
-class _StepFailsCore(EngineCore):
-    """Its third step raises, as a device failure would (in the engine process)."""
-
-    def step(self):
-        self.num_steps = getattr(self, "num_steps", 0) + 1
-        if self.num_steps == 3:
-            raise RuntimeError("simulated device failure")
-        return super().step()
-
-
 @pytest.mark.parametrize("engine_process", [False, True], ids=["engine_thread", "engine_process"])
 def test_engine_crash_fails_every_request(tiny_qwen3, engine_process):
     def crash_on_third_step(engine, outputs, calls=[0]):  # noqa: B006 (a counter shared by the calls)
@@ -312,7 +302,7 @@ def test_engine_crash_fails_every_request(tiny_qwen3, engine_process):
             raise RuntimeError("simulated device failure")
 
     if engine_process:
-        llm = process_llm(tiny_qwen3, core_factory=_StepFailsCore)
+        llm = process_llm(tiny_qwen3, core_factory=step_fails_core("simulated device failure"))
     else:
         llm = make_async_llm(tiny_qwen3, on_step=crash_on_third_step)
     deaths = []

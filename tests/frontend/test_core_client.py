@@ -26,27 +26,10 @@ from nanoinfer.frontend.core_client import EngineCoreDeadError, EngineCoreProces
 from nanoinfer.frontend.input_processor import InputProcessor
 from nanoinfer.models.checkpoint import load_tokenizer
 from nanoinfer.sampling_params import SamplingParams
+from tests.engine.core_factories import no_core, slow_core, step_fails_core
 
 KWARGS = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 64}
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class _StepFailsCore(EngineCore):
-    """Its third step raises, as a device failure would (not attributable to any request)."""
-
-    def step(self):
-        self.num_steps = getattr(self, "num_steps", 0) + 1
-        if self.num_steps == 3:
-            raise RuntimeError("injected step failure")
-        return super().step()
-
-
-def _no_core(config):
-    raise RuntimeError("injected start failure")
-
-
-def _slow_core(config):
-    time.sleep(60)
 
 
 class _Collector:
@@ -273,7 +256,11 @@ def test_fatal_step_error_calls_on_dead(tiny_qwen3, processor, no_leftovers):
     config = EngineConfig(tiny_qwen3, tensor_parallel_size=2, **KWARGS)
     collector = _Collector()
     client = EngineCoreProcess(
-        config, collector.on_outputs, collector.on_dead, ready_timeout=60, core_factory=_StepFailsCore
+        config,
+        collector.on_outputs,
+        collector.on_dead,
+        ready_timeout=60,
+        core_factory=step_fails_core("injected step failure"),
     )
     try:
         client.add_requests(_requests(processor, "fatal", max_tokens=50))
@@ -293,12 +280,12 @@ def test_failed_start_raises_with_the_engine_error(config, no_leftovers):
     collector = _Collector()
     with pytest.raises(RuntimeError, match="failed to start(.|\n)*injected start failure"):
         EngineCoreProcess(
-            config, collector.on_outputs, collector.on_dead, ready_timeout=60, core_factory=_no_core
+            config, collector.on_outputs, collector.on_dead, ready_timeout=60, core_factory=no_core
         )
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="not ready within 1"):
         EngineCoreProcess(
-            config, collector.on_outputs, collector.on_dead, ready_timeout=1, core_factory=_slow_core
+            config, collector.on_outputs, collector.on_dead, ready_timeout=1, core_factory=slow_core(60)
         )
     assert time.monotonic() - started < 5  # SIGTERM stops a core that is still being built at once
     assert not collector.dead
