@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanoinfer.benchmarks.throughput import git_commit  # noqa: E402
 from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args  # noqa: E402
 
 SCHEMA = {
@@ -57,19 +57,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 PROMPT = "List the inventory as JSON:"
-
-
-def _git_commit() -> str:
-    """NANOINFER_COMMIT when set (a copy of the tree without its git history, as on the device), else
-    the checkout's HEAD."""
-    if os.environ.get("NANOINFER_COMMIT"):
-        return os.environ["NANOINFER_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _model(args: argparse.Namespace, scratch: str) -> str:
@@ -181,7 +168,7 @@ def main() -> int:
         record = {
             "benchmark": "structured_outputs",
             "date": datetime.date.today().isoformat(),
-            "commit": _git_commit(),
+            "commit": git_commit(),
             "hardware": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
             "command": " ".join(sys.argv),
             "num_requests": n,

@@ -147,7 +147,7 @@ def make_workload(
     return prompts, max_tokens
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     """NANOINFER_COMMIT when set (a copy of the tree without its git history, as on the device), else
     the checkout's HEAD."""
     if os.environ.get("NANOINFER_COMMIT"):
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "benchmark": "throughput",
         "date": time.strftime("%Y-%m-%d"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "hardware": _hardware(),
         "model": args.random_shape or model,
         "num_seqs": args.num_seqs,

@@ -354,6 +354,18 @@ class ChatMessage(BaseModel):
         return message
 
 
+def _check_messages(request: ChatCompletionRequest | TokenizeChatRequest) -> None:
+    """What a chat request and a chat /tokenize request check alike: text-only messages, and a prompt
+    that either opens the assistant's turn or continues the final message."""
+    for i, message in enumerate(request.messages):
+        message.check_text_only(i)
+    if request.add_generation_prompt and request.continue_final_message:
+        raise APIError(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name for max_tokens; wins if both
@@ -382,13 +394,7 @@ class ChatCompletionRequest(_GenerationRequest):
     web_search_options: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        for i, message in enumerate(self.messages):
-            message.check_text_only(i)
-        if self.add_generation_prompt and self.continue_final_message:
-            raise APIError(
-                "continue_final_message and add_generation_prompt cannot both be true",
-                param="continue_final_message",
-            )
+        _check_messages(self)
         super().check_supported()
 
     def requested_max_tokens(self) -> int | None:
@@ -429,13 +435,7 @@ class TokenizeChatRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
 
     def check_supported(self) -> None:
-        for i, message in enumerate(self.messages):
-            message.check_text_only(i)
-        if self.add_generation_prompt and self.continue_final_message:
-            raise APIError(
-                "continue_final_message and add_generation_prompt cannot both be true",
-                param="continue_final_message",
-            )
+        _check_messages(self)
 
 
 class DetokenizeRequest(BaseModel):

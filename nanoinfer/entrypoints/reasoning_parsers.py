@@ -35,8 +35,9 @@ def prompt_opens_reasoning(prompt: str) -> bool:
     return start >= 0 and prompt.find(THINK_END, start) < 0
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker`` (how much of a
+    tag a stream may have begun; the tool-call parser uses it too)."""
     for length in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-length:]):
             return length
@@ -131,7 +132,7 @@ class Qwen3ReasoningStreamParser:
             self._state = _CONTENT_START
             return True
         # Hold back a possible partial </think> and the whitespace before it.
-        body = text[: len(text) - _partial_suffix(text, THINK_END)]
+        body = text[: len(text) - partial_suffix(text, THINK_END)]
         kept = body.rstrip(_WHITESPACE)
         reasoning.append(kept)
         self._pending = text[len(kept) :]

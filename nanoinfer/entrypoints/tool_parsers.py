@@ -28,6 +28,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from nanoinfer.entrypoints.reasoning_parsers import partial_suffix
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 _WHITESPACE = " \t\n\r"
@@ -173,14 +175,6 @@ def _parse_call(text: str, pos: int) -> tuple[str, str, int] | None:
     return None
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
-
-
 class HermesToolParser:
     """Parses Hermes / Qwen tool calls (see the module docstring)."""
 
@@ -276,7 +270,7 @@ class HermesToolStreamParser:
             self._in_call = True
             return True
         # Hold back a possible start of <tool_call> and the whitespace before it.
-        body = text[: len(text) - _partial_suffix(text, TOOL_CALL_START)]
+        body = text[: len(text) - partial_suffix(text, TOOL_CALL_START)]
         self._hold_trailing_whitespace(deltas, body)
         self._pending = text[len(body) :]
         return False

@@ -511,17 +511,7 @@ class _EngineThread(_Driver):
             raise TypeError(f"unknown engine command {command!r}")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Sends each output to its stream: one hop to each event loop per step."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:  # not added through this AsyncLLM
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-            batches.setdefault(stream._loop, []).append((stream, output))
-        for loop, items in batches.items():
-            _post(loop, items)
+        _deliver_outputs(self._streams, outputs)
 
     def _stop(self, engine: LLMEngine, error: EngineDeadError) -> None:
         """Fails every unfinished request and every queued command with ``error``; closes the engine."""
@@ -685,17 +675,8 @@ class _EngineProcess(_Driver):
             if ended:  # stop strings (or failures) the output processor found: the core drops them
                 with contextlib.suppress(EngineCoreDeadError):
                     self._client.abort_requests(ended)
-            batches: dict[asyncio.AbstractEventLoop, list] = {}
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is None:
-                    continue
-                if output.finished:
-                    del self._streams[output.request_id]
-                batches.setdefault(stream._loop, []).append((stream, output))
             # Posted under the lock, so that an abort's end marker never overtakes these outputs.
-            for loop, items in batches.items():
-                _post(loop, items)
+            _deliver_outputs(self._streams, outputs)
 
     def _on_dead(self, text: str) -> None:
         error = EngineDeadError(f"the engine process stopped: {_summary(text)}")
@@ -732,6 +713,22 @@ def _summary(text: str) -> str:
     if len(lines) <= 1:
         return text.strip()
     return f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
+def _deliver_outputs(streams: dict[str, RequestStream], outputs: list[RequestOutput]) -> None:
+    """Sends each output to its request's stream (dropping the stream once it is finished): one hop to
+    each event loop per step. Outputs of requests not in ``streams`` (not added through this AsyncLLM, or
+    already ended) are dropped."""
+    batches: dict[asyncio.AbstractEventLoop, list] = {}
+    for output in outputs:
+        stream = streams.get(output.request_id)
+        if stream is None:
+            continue
+        if output.finished:
+            del streams[output.request_id]
+        batches.setdefault(stream._loop, []).append((stream, output))
+    for loop, items in batches.items():
+        _post(loop, items)
 
 
 def _fail_streams(streams: list[RequestStream], error: BaseException) -> None:
