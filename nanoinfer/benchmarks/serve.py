@@ -266,31 +266,46 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 async def send_request(
-    client: Any, url: str, payload: dict[str, Any], headers: dict[str, str]
+    session: Any, url: str, payload: dict[str, Any], headers: dict[str, str]
 ) -> RequestResult:
-    """Streams one request; timestamps every chunk that carries text."""
+    """Streams one request; timestamps every network read that brings text. Events are split by hand on
+    the raw bytes (one Python pass per read, not per line): the client has to keep up with a server that
+    sends one event per step for hundreds of streams."""
     prompt_len = len(payload["prompt"]) if "prompt" in payload else 0
     result = RequestResult(success=False, prompt_len=prompt_len)
     start = time.perf_counter()
     last = start
     got_text = False
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {body[:300]}"
+        async with session.post(url, json=payload, headers=headers) as response:
+            if response.status != 200:
+                body = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {body[:300]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = f"stream error: {chunk['error']}"
-                    return result
-                if _chunk_text(chunk):
+            pending = b""
+            done = False
+            async for data in response.content.iter_any():
+                pending += data
+                *events, pending = pending.split(b"\n\n")
+                text = False
+                for event in events:
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        body = line[len(b"data:") :].strip()
+                        if body == b"[DONE]":
+                            done = True
+                            break
+                        chunk = json.loads(body)
+                        if "error" in chunk:
+                            result.error = f"stream error: {chunk['error']}"
+                            return result
+                        text = text or bool(_chunk_text(chunk))
+                        usage = chunk.get("usage")
+                        if usage:
+                            result.output_tokens = usage.get("completion_tokens", 0)
+                            result.prompt_len = usage.get("prompt_tokens", prompt_len)
+                if text:
                     now = time.perf_counter()
                     if got_text:
                         result.itl_s.append(now - last)
@@ -298,10 +313,8 @@ async def send_request(
                         result.ttft_s = now - start
                         got_text = True
                     last = now
-                usage = chunk.get("usage")
-                if usage:
-                    result.output_tokens = usage.get("completion_tokens", 0)
-                    result.prompt_len = usage.get("prompt_tokens", prompt_len)
+                if done:
+                    break
     except Exception as e:  # connection refused, reset, bad JSON...: the request failed
         result.error = f"{type(e).__name__}: {e}"
         return result
@@ -330,25 +343,27 @@ async def run_benchmark(
 ) -> tuple[list[RequestResult], float]:
     """Sends all requests (Poisson arrivals at ``request_rate``); returns their results and the duration.
 
-    ``warmup_requests`` go first, all at once, untimed.
+    ``warmup_requests`` go first, all at once, untimed. The client is aiohttp (as vLLM's benchmark):
+    at hundreds of concurrent streams httpx's connection pool and line decoding cost more CPU than the
+    server under test.
     """
-    import httpx
+    import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = base_url.rstrip("/") + endpoint
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        await _check_model(client, base_url, model, headers)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await _check_model(session, base_url, model, headers)
 
         async def one(request: BenchRequest) -> RequestResult:
             payload = _payload(endpoint, model, request, temperature, tokenizer, ignore_eos)
             if semaphore is None:
-                return await send_request(client, url, payload, headers)
+                return await send_request(session, url, payload, headers)
             async with semaphore:
-                return await send_request(client, url, payload, headers)
+                return await send_request(session, url, payload, headers)
 
         warmups = await asyncio.gather(*(one(request) for request in warmup_requests))
         failed = [w.error for w in warmups if not w.success]
@@ -369,17 +384,18 @@ async def run_benchmark(
     return list(results), duration
 
 
-async def _check_model(client: Any, base_url: str, model: str, headers: dict[str, str]) -> None:
+async def _check_model(session: Any, base_url: str, model: str, headers: dict[str, str]) -> None:
     """Fails fast, before the timed run, if the server is unreachable or does not serve ``model``."""
-    import httpx
+    import aiohttp
 
     try:
-        response = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
-    except httpx.HTTPError as e:
+        async with session.get(base_url.rstrip("/") + "/v1/models", headers=headers) as response:
+            status, body = response.status, await response.read()
+    except aiohttp.ClientError as e:
         raise RuntimeError(f"cannot reach the server at {base_url}: {e!r}") from e
-    if response.status_code != 200:
-        raise RuntimeError(f"GET /v1/models failed with HTTP {response.status_code}: {response.text[:300]}")
-    served = [card.get("id") for card in response.json().get("data", [])]
+    if status != 200:
+        raise RuntimeError(f"GET /v1/models failed with HTTP {status}: {body[:300].decode(errors='replace')}")
+    served = [card.get("id") for card in json.loads(body).get("data", [])]
     if model not in served:
         raise RuntimeError(f"the server does not serve {model!r}; it serves {served}")
 
@@ -539,6 +555,7 @@ def run(args: argparse.Namespace) -> int:
             )
             for count, seed in ((args.num_prompts, args.seed + i), (args.num_warmups, -1 - args.seed - i))
         )
+        cpu_before = time.process_time()
         try:
             results, duration = asyncio.run(
                 run_benchmark(
@@ -572,6 +589,8 @@ def run(args: argparse.Namespace) -> int:
             "request_rate": "inf" if math.isinf(rate) else rate,
             "max_concurrency": args.max_concurrency,
             **summarize(results, duration, slos),
+            # This client's CPU seconds (warm-up included): close to duration_s, the client was the limit.
+            "client_cpu_s": time.process_time() - cpu_before,
         }
         print(f"request rate {_rate_label(rate)} req/s")
         print(format_table(summary))

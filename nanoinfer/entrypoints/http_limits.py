@@ -70,12 +70,22 @@ class ServerLimits:
         return PROMPT_CHARS_PER_CONTEXT_TOKEN * max_model_len
 
 
-def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline for each request's line and headers. uvicorn has none: a
-    client that opens connections and never finishes its headers would hold them forever. Passed to
-    uvicorn as ``Config(http=...)``."""
+def http_protocol_base() -> type:
+    """uvicorn's HTTP protocol: httptools' (a C parser, and responses written without h11's per-event
+    state machine: the cost of every streamed event) when it is installed, h11's otherwise."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return H11Protocol
+    return HttpToolsProtocol
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
+
+def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
+    """uvicorn's HTTP protocol (``base``, default :func:`http_protocol_base`) with a deadline for each
+    request's line and headers. uvicorn has none: a client that opens connections and never finishes its
+    headers would hold them forever. Passed to uvicorn as ``Config(http=...)``."""
+
+    class HeaderTimeoutProtocol(base or http_protocol_base()):
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -113,7 +123,7 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
             self._disarm_deadline()
             super().connection_lost(exc)
 
-    return HeaderTimeoutH11Protocol
+    return HeaderTimeoutProtocol
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:

@@ -721,6 +721,13 @@ def _constraint_field(request: CompletionRequest | ChatCompletionRequest) -> str
 
 async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) pairs from several streams as they arrive; aborts them all when closed."""
+    if len(streams) == 1:  # the common case, without a pump task and a second queue hop per output
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            streams[0].abort()
+        return
     merged: asyncio.Queue = asyncio.Queue()
     end = object()
 

@@ -1,4 +1,6 @@
-from nanoinfer.frontend.detokenizer import IncrementalDetokenizer
+import random
+
+from nanoinfer.frontend.detokenizer import IncrementalDetokenizer, backend_decoder
 from tests.fixtures import build_tokenizer
 
 TEXT = "Prefix caching 你好，世界！ 🚀🔥 café naïve — done."
@@ -30,3 +32,26 @@ def test_special_tokens_skipped(tmp_path):
     for t in ids:
         detok.add_token(t)
     assert detok.text == "done"
+
+
+def test_backend_decode_matches_the_tokenizer(tmp_path):
+    # The fast path decodes with the Rust backend directly: it must give tokenizer.decode's text, special
+    # tokens skipped or not, on arbitrary ids (random models emit any id).
+    tok = build_tokenizer(str(tmp_path))
+    backend = backend_decoder(tok)
+    assert backend is not None
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert backend.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_slow_path_when_spaces_are_cleaned_up(tmp_path):
+    tok = build_tokenizer(str(tmp_path))
+    tok.clean_up_tokenization_spaces = True
+    assert backend_decoder(tok) is None
+    detok = IncrementalDetokenizer(tok, [])
+    for t in tok.encode("a , b"):
+        detok.add_token(t)
+    assert detok.text == tok.decode(tok.encode("a , b"))
