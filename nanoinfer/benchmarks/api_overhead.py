@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]))
     server = subprocess.Popen(
         [sys.executable, "-c", _LAUNCHER, str(args.step_ms / 1000), "serve", args.model, "--port", str(port),
-         "--device", "cpu", "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning", "--disable-log-stats"],
+         "--device", "cpu", "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
+         "--disable-log-stats"],
         env=env,
     )  # fmt: skip
     try:
