@@ -7,8 +7,12 @@ numbers (queue lengths, KV cache use, preemptions, prefix-cache hits) are copied
 
 from __future__ import annotations
 
+import bisect
+import threading
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 # Bucket edges in seconds, spanning a tiny CPU model to long prompts on a loaded GPU.
 _TTFT_BUCKETS = (
@@ -81,6 +85,51 @@ _CUMULATIVE_STATS = {
 }
 
 
+class _PerTokenMetrics:
+    """The two series that move with every generated token (the token counter and the inter-token
+    latency histogram), kept in plain numbers and exported by this collector at scrape time.
+    prometheus_client's Counter and Histogram take a lock and walk their value objects on each update:
+    at hundreds of requests per step that was a measurable share of the API process's CPU."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self._tokens = 0
+        self._itl_counts = [0] * (len(_ITL_BUCKETS) + 1)  # the last: above every bound (+Inf)
+        self._itl_sum = 0.0
+
+    def add(self, num_tokens: int, itl_s: float | None) -> None:
+        """``num_tokens`` new tokens; with ``itl_s``, they arrived ``itl_s`` after the previous ones (and
+        share that gap, as tokens that arrive together in one step do)."""
+        with self._lock:
+            self._tokens += num_tokens
+            if itl_s is not None:
+                gap = itl_s / num_tokens
+                self._itl_counts[bisect.bisect_left(_ITL_BUCKETS, gap)] += num_tokens
+                self._itl_sum += itl_s
+
+    def collect(self):
+        with self._lock:
+            tokens, counts, total = self._tokens, list(self._itl_counts), self._itl_sum
+        labels = [self.model_name]
+        counter = CounterMetricFamily(
+            "nanoinfer:generation_tokens", "Generated tokens.", labels=["model_name"]
+        )
+        counter.add_metric(labels, tokens)
+        yield counter
+        histogram = HistogramMetricFamily(
+            "nanoinfer:inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            labels=["model_name"],
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(repr, _ITL_BUCKETS), "+Inf"], counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        histogram.add_metric(labels, buckets, total)
+        yield histogram
+
+
 class ServingMetrics:
     """All serving metrics, labelled with the served model name; a RequestStatsListener."""
 
@@ -141,9 +190,8 @@ class ServingMetrics:
                 registry=r,
             )
         )
-        self.generation_tokens = labelled(
-            Counter("nanoinfer:generation_tokens", "Generated tokens.", labels, registry=r)
-        )
+        self._per_token = _PerTokenMetrics(model_name)
+        r.register(self._per_token)
         self._request_success = Counter(
             "nanoinfer:request_success",
             "Finished requests, by finish reason.",
@@ -157,15 +205,6 @@ class ServingMetrics:
                 "Time from arrival to the first generated token.",
                 labels,
                 buckets=_TTFT_BUCKETS,
-                registry=r,
-            )
-        )
-        self.inter_token_latency = labelled(
-            Histogram(
-                "nanoinfer:inter_token_latency_seconds",
-                "Time between consecutive generated tokens of a request.",
-                labels,
-                buckets=_ITL_BUCKETS,
                 registry=r,
             )
         )
@@ -186,13 +225,9 @@ class ServingMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
 
     def on_new_tokens(self, num_tokens: int, ttft_s: float | None, itl_s: float | None) -> None:
-        self.generation_tokens.inc(num_tokens)
+        self._per_token.add(num_tokens, itl_s)
         if ttft_s is not None:
             self.time_to_first_token.observe(ttft_s)
-        if itl_s is not None:
-            # Tokens that arrive together (several per step) share the gap.
-            for _ in range(num_tokens):
-                self.inter_token_latency.observe(itl_s / num_tokens)
 
     def on_finished(self, finish_reason: str, e2e_s: float) -> None:
         self._request_success.labels(model_name=self._model_name, finished_reason=finish_reason).inc()

@@ -35,6 +35,7 @@ from nanoinfer.config import EngineConfig
 from nanoinfer.engine import wire
 from nanoinfer.engine.core import EngineCore
 from nanoinfer.engine.scheduler import EngineCoreOutput
+from nanoinfer.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class _EngineCoreProc:
         # Until now SIGTERM ended the process at once (there was nothing to close); from now on it ends
         # the loop, which closes the core.
         signal.signal(signal.SIGTERM, self.on_sigterm)
+        freeze_startup_heap()
         self.send(wire.Ready(self.core.num_kv_blocks, os.getpid(), self.core.stats()))
         try:
             self._loop()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nanoinfer.outputs import Logprob, PositionLogprobs
@@ -520,6 +521,14 @@ def chat_chunk_choice(
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+# A logprob of -inf (a token masked out by a constraint, say) has no JSON number: vLLM sends this instead.
+MIN_JSON_LOGPROB = -9999.0
+
+
+def _json_logprob(logprob: float) -> float:
+    return logprob if logprob > MIN_JSON_LOGPROB else MIN_JSON_LOGPROB
+
+
 # decode(token_id, logprob) -> the token's text, as shown in logprobs (logprob None: decode the id).
 TokenDecoder = Callable[[int, Logprob | None], str]
 
@@ -544,8 +553,8 @@ def completion_logprobs(
             continue
         token = decode(token_id, position[token_id])
         body["tokens"].append(token)
-        body["token_logprobs"].append(position[token_id].logprob)
-        body["top_logprobs"].append({decode(t, lp): lp.logprob for t, lp in position.items()})
+        body["token_logprobs"].append(_json_logprob(position[token_id].logprob))
+        body["top_logprobs"].append({decode(t, lp): _json_logprob(lp.logprob) for t, lp in position.items()})
         body["text_offset"].append(text_offset)
         text_offset += len(token)
     return body
@@ -558,7 +567,7 @@ def chat_logprobs(
 
     def entry(token_id: int, logprob: Logprob) -> dict[str, Any]:
         token = decode(token_id, logprob)
-        return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": _json_logprob(logprob.logprob), "bytes": list(token.encode())}
 
     content = []
     for token_id, position in zip(token_ids, logprobs, strict=True):
@@ -613,9 +622,11 @@ def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
     }
 
 
-def sse_event(data: dict[str, Any]) -> str:
-    """One server-sent event carrying a JSON object."""
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse_event(data: dict[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON object (compact, UTF-8). msgspec encodes it straight to
+    bytes, several times faster than json.dumps and a str encode: one event per request per step."""
+    return b"data: " + _json_encoder.encode(data) + b"\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
+_json_encoder = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"

@@ -55,6 +55,7 @@ from nanoinfer.entrypoints.structured_requests import (
     request_constraint,
 )
 from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
+from nanoinfer.heap import freeze_startup_heap
 from nanoinfer.metrics import ServingMetrics
 from nanoinfer.outputs import Logprob, PositionLogprobs, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -622,7 +623,7 @@ class _Reply:
 
     async def stream_events(
         self, streams: list[RequestStream], include_usage: bool, continuous_usage: bool = False
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """The SSE events of a streamed response, from the requests' DELTA outputs: one event per engine
         step with every choice that has new text (all of it, however many tokens the step made), and with
         ``continuous_usage`` the usage so far in each. Closing this generator aborts unfinished requests."""
@@ -802,7 +803,7 @@ class _EventStreamResponse(StreamingResponse):
     cancels the stream at once and closing the events generator aborts the requests behind it.
     """
 
-    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
+    def __init__(self, events: AsyncIterator[bytes], streams: list[RequestStream]):
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._streams = streams
 
@@ -971,6 +972,7 @@ def run_server(
             # shutdown exits with status 0 (the default handlers would end the process by the signal).
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: None)
+        freeze_startup_heap()
         uv_server.run()
         if async_llm.crashed:
             logger.critical("exiting: %s", async_llm.error)

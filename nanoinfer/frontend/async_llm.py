@@ -35,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -131,19 +132,34 @@ class RequestStream:
         self.finished = False
         self._async_llm = async_llm
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # What arrived and was not yet taken, and the future the consumer waits on while it is empty: a
+        # deque and one future, cheaper than an asyncio.Queue at one put and one get per step.
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
         self._kind = RequestOutputKind.CUMULATIVE
         self._last: RequestOutput | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
 
+    def _put(self, item: Any) -> None:
+        """Queues an output, an error or the abort marker; runs on the stream's event loop."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self._items)
+        self._items.clear()
         outputs: list[RequestOutput] = []
         for item in items:
             if isinstance(item, BaseException):
@@ -465,8 +481,6 @@ class _EngineThread(_Driver):
             error.__cause__ = e
             self.crashed = True
         self._stop(engine, error)
-        if self.crashed:
-            self._run_death_callbacks(error)
 
     def _apply_commands(self, block: bool) -> bool:
         """Runs every queued command (waiting for one if ``block``); False once asked to stop."""
@@ -514,9 +528,12 @@ class _EngineThread(_Driver):
         _deliver_outputs(self._streams, outputs)
 
     def _stop(self, engine: LLMEngine, error: EngineDeadError) -> None:
-        """Fails every unfinished request and every queued command with ``error``; closes the engine."""
+        """Fails every unfinished request and every queued command with ``error``; closes the engine.
+        After a crash the death callbacks run first: whoever sees the error has them behind it."""
         with self.lock:
             self.dead = error
+        if self.crashed:
+            self._run_death_callbacks(error)
         try:
             self._take_stats(engine)
         except Exception:
@@ -687,8 +704,9 @@ class _EngineProcess(_Driver):
             self.crashed = True
             streams, self._streams = list(self._streams.values()), {}
         logger.error("%s", error)
-        _fail_streams(streams, error)
+        # The callbacks first: whoever sees the error has them behind it.
         self._run_death_callbacks(error)
+        _fail_streams(streams, error)
 
 
 def _needs_tokenizing(prompt: Any) -> bool:
@@ -745,7 +763,7 @@ def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:
 
     def put_all() -> None:
         for stream, item in items:
-            stream._queue.put_nowait(item)
+            stream._put(item)
 
     with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read these outputs
         loop.call_soon_threadsafe(put_all)

@@ -149,12 +149,15 @@ class InputProcessor:
         raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _check_token_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, list | tuple) or not all(
+        if not isinstance(ids, list | tuple):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        # The common case (plain ints) checked by C loops: this runs for every token of every prompt.
+        if set(map(type, ids)) - {int} and not all(
             isinstance(t, int) and not isinstance(t, bool) for t in ids
         ):
             raise ValueError("prompt_token_ids must be a list of integers")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         return list(ids)
 

@@ -33,6 +33,7 @@ from nanoinfer.entrypoints.server import OpenAIServer
 from nanoinfer.frontend.async_llm import AsyncLLM
 from nanoinfer.frontend.llm_engine import LLMEngine
 from nanoinfer.metrics import ServingMetrics
+from nanoinfer.outputs import Logprob
 from tests.entrypoints.engine_delays import FlagFile, delayed_core
 
 API_KEY = "test-key"
@@ -583,7 +584,13 @@ def test_request_parsing_details():
 
 def test_sse_and_response_shapes():
     event = protocol.sse_event({"a": "é"})
-    assert event == 'data: {"a":"é"}\n\n' and protocol.SSE_DONE == "data: [DONE]\n\n"
+    assert event == 'data: {"a":"é"}\n\n'.encode() and protocol.SSE_DONE == b"data: [DONE]\n\n"
+    # -inf (a masked token among the top logprobs) has no JSON number: clamped as vLLM does.
+    masked = {7: Logprob(float("-inf"), 2), 3: Logprob(-0.5, 1)}
+    body = protocol.completion_logprobs([3], [masked], lambda t, lp: f"t{t}", 0)
+    assert body["top_logprobs"] == [{"t7": protocol.MIN_JSON_LOGPROB, "t3": -0.5}]
+    chat = protocol.chat_logprobs([7], [masked], lambda t, lp: f"t{t}", 2)
+    assert chat["content"][0]["logprob"] == protocol.MIN_JSON_LOGPROB
     body = protocol.response_body("text_completion", "cmpl-1", 5, "m", [], protocol.usage(3, 4))
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     assert APIError("nope", 404, param="model").body() == {

@@ -289,8 +289,8 @@ def test_one_event_per_step_with_all_its_text_and_continuous_usage(chat):
     async def events(include_usage, continuous):
         stream = _Stream(_steps(4, 3))
         lines = [line async for line in reply.stream_events([stream], include_usage, continuous)]
-        assert stream.aborted and lines[-1] == "data: [DONE]\n\n"
-        return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+        assert stream.aborted and lines[-1] == b"data: [DONE]\n\n"
+        return [json.loads(line[len(b"data: ") :]) for line in lines[:-1]]
 
     plain, continuous = asyncio.run(events(False, False)), asyncio.run(events(True, True))
     first = 1 if chat else 0  # chat opens with the assistant's role
