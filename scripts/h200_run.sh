@@ -80,11 +80,13 @@ structured)
     write_checkpoint
     with_real_tokenizer
     timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --result-file "$OUT/structured.json"
+    # PROFILE=1: once more under cProfile (the engine runs on this thread), for where the host time goes.
+    [ -z "${PROFILE:-}" ] || timeout 300 python3 -m cProfile -o "$OUT/structured.prof" benchmarks/structured_outputs.py \
+        --model "$TOK_CKPT" --num-requests 64
     ;;
 serve)
     # nanoinfer serve (engine core in its own process) under a request-rate sweep, the offline engine on
-    # the same workload first; then one more unlimited-rate run with both processes sampled by py-spy
-    # (when its wheel was carried), and the API path alone (stub engine, CPU only). The checkpoint has
+    # the same workload first, and afterwards the API path alone (stub engine, CPU only). The checkpoint has
     # Qwen3's real tokenizer, so every generated token is text to detokenize and stream. SERVE_PROMPTS,
     # SERVE_RATES set the sweep.
     write_checkpoint
@@ -94,26 +96,16 @@ serve)
         --min-input-len 512 --max-input-len 512 --min-output-len 128 --max-output-len 128 \
         --result-file "$OUT/offline_512_128.json"
     python3 -m nanoinfer.entrypoints.cli serve "$TOK_CKPT" --port 8011 --served-model-name qwen3-0.6b-random \
-        --log-level warning > "$OUT/server.log" 2>&1 &
+        --log-level warning > /tmp/server.log 2>&1 &
     server=$!
-    wait_for_health http://127.0.0.1:8011/health 180 || tail -20 "$OUT/server.log"
-    nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$OUT/gpu_processes.csv"
-    echo "server pid $server" >> "$OUT/gpu_processes.csv"
+    wait_for_health http://127.0.0.1:8011/health 180 || tail -20 /tmp/server.log
+    # The API-server process must hold no GPU memory: only the engine's process is listed.
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+    echo "server pid $server"
     timeout 300 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
         --model qwen3-0.6b-random --tokenizer "$TOK_CKPT" --num-prompts "$n" --random-input-len 512 \
         --random-output-len 128 --request-rates "${SERVE_RATES:-8,32,128,inf}" --goodput ttft:200 tpot:20 \
         --plot "$OUT/serve_latency.png" --result-file "$OUT/serve.json"
-    if command -v py-spy > /dev/null; then
-        engine=$(pgrep -P "$server" -f spawn_main | head -1)
-        (sleep 1.5; py-spy record --nonblocking --gil -p "$server" -d 4 -r 250 -f raw -o "$OUT/pyspy_api.txt") &
-        spy_api=$!
-        (sleep 1.5; py-spy record --nonblocking --gil -p "$engine" -d 4 -r 250 -f raw -o "$OUT/pyspy_engine.txt") &
-        spy_engine=$!
-        timeout 60 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
-            --model qwen3-0.6b-random --tokenizer "$TOK_CKPT" --num-prompts "$n" --random-input-len 512 \
-            --random-output-len 128 --request-rate inf --result-file "$OUT/serve_profiled.json" | tail -4
-        wait "$spy_api" "$spy_engine"
-    fi
     kill -TERM "$server"
     wait "$server"
     echo "nanoinfer serve exit status $?"
@@ -126,8 +118,8 @@ peer)
     # (PEER_PROMPTS): it is ~40x slower. Then nanoinfer serve on the same requests, for the same rows.
     write_checkpoint
     with_real_tokenizer
-    transformers serve --help > "$OUT/transformers_serve_help.txt" 2>&1
-    transformers serve "$TOK_CKPT" --continuous-batching --port 8012 > "$OUT/peer.log" 2>&1 &
+    transformers serve --help 2>&1 | head -30
+    transformers serve "$TOK_CKPT" --continuous-batching --port 8012 > /tmp/peer.log 2>&1 &
     peer=$!
     peer_args=(--endpoint /v1/chat/completions --no-ignore-eos --tokenizer "$TOK_CKPT"
         --num-prompts "${PEER_PROMPTS:-100}" --random-input-len 512 --random-output-len 128
@@ -136,12 +128,13 @@ peer)
         timeout 300 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8012 \
             --model "$TOK_CKPT" "${peer_args[@]}" --plot "$OUT/peer_latency.png" --result-file "$OUT/peer.json"
     else
-        echo "transformers serve did not start (see peer.log)"
+        echo "transformers serve did not start:"
+        tail -30 /tmp/peer.log
     fi
     kill "$peer" 2>/dev/null
     pkill -f "transformers serve" || true
     python3 -m nanoinfer.entrypoints.cli serve "$TOK_CKPT" --port 8011 --served-model-name qwen3-0.6b-random \
-        --log-level warning > "$OUT/server_chat.log" 2>&1 &
+        --log-level warning > /tmp/server_chat.log 2>&1 &
     server=$!
     if wait_for_health http://127.0.0.1:8011/health 180; then
         timeout 200 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 \
