@@ -151,7 +151,8 @@ def main() -> int:
                 # The same requests unconstrained, each generating as many tokens as its constrained twin:
                 # the batch shrinks as it did there, so the ratio is the constraint's own cost.
                 params = [
-                    dataclasses.replace(p, max_tokens=length) for p, length in zip(unconstrained, lengths)
+                    dataclasses.replace(p, max_tokens=max(length, 1))
+                    for p, length in zip(unconstrained, lengths, strict=True)
                 ]
             else:
                 params = unconstrained if name == "unconstrained" else constrained
