@@ -133,6 +133,7 @@ peer)
     fi
     kill "$peer" 2>/dev/null
     pkill -f "transformers serve" || true
+    [ -z "${PEER_ONLY:-}" ] || exit 0
     python3 -m nanoinfer.entrypoints.cli serve "$TOK_CKPT" --port 8011 --served-model-name qwen3-0.6b-random \
         --log-level warning > /tmp/server_chat.log 2>&1 &
     server=$!
