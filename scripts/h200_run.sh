@@ -39,15 +39,21 @@ with_real_tokenizer() {
     cp "${QWEN3_TOKENIZER:-.qwen3_tokenizer}"/* "$TOK_CKPT"/
 }
 
+# wait_for_health URL SECONDS [PID]: 0 once URL answers; 1 after SECONDS, or as soon as PID has exited.
 wait_for_health() {
     python3 -c "
-import sys, time, urllib.request
+import os, sys, time, urllib.request
 for _ in range(int(sys.argv[2])):
     try:
         urllib.request.urlopen(sys.argv[1], timeout=2); sys.exit(0)
     except OSError:
+        if len(sys.argv) > 3:
+            try:
+                os.kill(int(sys.argv[3]), 0)
+            except ProcessLookupError:
+                sys.exit(1)
         time.sleep(1)
-sys.exit(1)" "$1" "$2"
+sys.exit(1)" "$@"
 }
 
 case "$1" in
@@ -124,7 +130,7 @@ peer)
     peer_args=(--endpoint /v1/chat/completions --no-ignore-eos --tokenizer "$TOK_CKPT"
         --num-prompts "${PEER_PROMPTS:-100}" --random-input-len 512 --random-output-len 128
         --request-rates "${PEER_RATES:-8,32,128,inf}" --goodput ttft:200 tpot:20)
-    if wait_for_health http://127.0.0.1:8012/v1/models 150; then
+    if wait_for_health http://127.0.0.1:8012/v1/models 150 "$peer"; then
         timeout 300 python3 -m nanoinfer.entrypoints.cli bench serve --base-url http://127.0.0.1:8012 \
             --model "$TOK_CKPT" "${peer_args[@]}" --plot "$OUT/peer_latency.png" --result-file "$OUT/peer.json"
     else
