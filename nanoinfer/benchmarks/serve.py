@@ -396,7 +396,8 @@ async def _check_model(session: Any, base_url: str, model: str, headers: dict[st
     if status != 200:
         raise RuntimeError(f"GET /v1/models failed with HTTP {status}: {body[:300].decode(errors='replace')}")
     served = [card.get("id") for card in json.loads(body).get("data", [])]
-    if model not in served:
+    # An empty list: a server that loads models on demand (transformers serve lists only its cache).
+    if served and model not in served:
         raise RuntimeError(f"the server does not serve {model!r}; it serves {served}")
 
 
