@@ -521,6 +521,43 @@ def plot_sweep(runs: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def plot_comparison(sweeps: dict[str, list[dict[str, Any]]], path: str) -> None:
+    """Several servers' sweeps (label -> runs of one request-rate sweep each) on one figure: TTFT p50
+    and p99, TPOT p50 and output throughput against request rate, log-scaled (peers differ by orders of
+    magnitude)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted(
+        {_rate_label(run["request_rate"]) for runs in sweeps.values() for run in runs},
+        key=lambda label: math.inf if label == "inf" else float(label),
+    )
+    panels = (
+        ("median_ttft_ms", "TTFT p50 (ms)"),
+        ("p99_ttft_ms", "TTFT p99 (ms)"),
+        ("median_tpot_ms", "TPOT p50 (ms)"),
+        ("output_throughput", "Output throughput (tok/s)"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(20, 4.5))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for label, runs in sweeps.items():
+            points = sorted((rates.index(_rate_label(run["request_rate"])), run[key]) for run in runs)
+            # A zero cannot be drawn on a log scale (a server that sends a whole reply at once has TPOT 0).
+            points = [(x, y) for x, y in points if y > 0]
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xticks(range(len(rates)), rates)
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _rate_label(rate: float | str) -> str:
     return "inf" if rate == "inf" or rate == math.inf else f"{rate:g}"
 

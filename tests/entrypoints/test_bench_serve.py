@@ -2,6 +2,7 @@
 server that checks the result file."""
 
 import argparse
+import asyncio
 import json
 import math
 import socket
@@ -249,3 +250,52 @@ def test_api_overhead_benchmark_runs_against_a_stub_core(tmp_path):
     assert api_overhead.main([*argv, "--result-file", str(result_file)]) == 0
     record = json.loads(result_file.read_text())
     assert record["output_tok_per_s"] > 0 and record["num_prompts"] == 12
+
+
+def _sweep(scale: float) -> list[dict]:
+    return [
+        {
+            "request_rate": rate,
+            "median_ttft_ms": 10 * scale,
+            "p99_ttft_ms": 20 * scale,
+            "median_tpot_ms": 0.0 if scale > 100 else scale,  # a zero is left off the log scale
+            "output_throughput": 1000 / scale,
+        }
+        for rate in (8, 32, "inf")
+    ]
+
+
+def test_comparison_plot_of_two_servers(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "compare.png"
+    bench.plot_comparison({"fast": _sweep(1.0), "slow": _sweep(1000.0)[:2]}, str(path))
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_model_check_accepts_a_server_that_lists_no_model():
+    class Response:
+        status = 200
+
+        def __init__(self, cards):
+            self.body = json.dumps({"data": cards}).encode()
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def read(self):
+            return self.body
+
+    class Session:
+        def __init__(self, cards):
+            self.cards = cards
+
+        def get(self, url, headers):
+            return Response(self.cards)
+
+    asyncio.run(bench._check_model(Session([]), "http://x", "m", {}))  # loads models on demand
+    asyncio.run(bench._check_model(Session([{"id": "m"}]), "http://x", "m", {}))
+    with pytest.raises(RuntimeError, match="does not serve 'm'"):
+        asyncio.run(bench._check_model(Session([{"id": "other"}]), "http://x", "m", {}))
