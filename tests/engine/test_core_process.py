@@ -17,8 +17,8 @@ from nanoinfer.engine import wire
 from nanoinfer.engine.core_process import _UTILITIES, run_engine_core
 from nanoinfer.frontend.input_processor import InputProcessor
 from nanoinfer.models.checkpoint import load_tokenizer
-from nanoinfer.sampling_params import SamplingParams
 from tests.engine.core_factories import no_core, slow_core, step_fails_core
+from tests.fixtures import engine_requests
 
 KWARGS = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 64}
 
@@ -96,14 +96,7 @@ def engine(config, tmp_path_factory):
 
 def _requests(config, prefix, count=3, **params):
     processor = InputProcessor(config, load_tokenizer(config.model), config.num_kvcache_blocks)
-    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, **params}
-    return [
-        child
-        for i in range(count)
-        for child in processor.process(
-            f"{prefix}{i}", "hello world " * (i + 1), SamplingParams(**params)
-        ).children
-    ]
+    return engine_requests(processor, prefix, count, **params)
 
 
 def _collect(engine, ids):

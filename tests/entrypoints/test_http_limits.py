@@ -1,14 +1,13 @@
 """The header deadline on both of uvicorn's HTTP protocols (httptools when installed, h11 otherwise)."""
 
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoinfer.entrypoints.http_limits import header_timeout_protocol, http_protocol_base
+from tests.entrypoints.test_server import uvicorn_in_thread
 
 HEADER_TIMEOUT_S = 0.5
 
@@ -31,26 +30,9 @@ def _bases():
 
 @pytest.fixture(params=_bases(), ids=lambda base: base.__name__)
 def port(request):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free = probe.getsockname()[1]
-    config = uvicorn.Config(
-        _app,
-        host="127.0.0.1",
-        port=free,
-        log_level="warning",
-        http=header_timeout_protocol(HEADER_TIMEOUT_S, request.param),
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.02)
-    yield free
-    server.should_exit = True
-    thread.join(10)
+    protocol = header_timeout_protocol(HEADER_TIMEOUT_S, request.param)
+    with uvicorn_in_thread(_app, http=protocol) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 def _read_all(sock: socket.socket, limit_s: float = 5.0) -> bytes:

@@ -86,12 +86,12 @@ def _engine_with_slow_steps(model_path: str, slow_steps: FlagFile) -> LLMEngine:
 
 
 @contextlib.contextmanager
-def _uvicorn_in_thread(llm: AsyncLLM, slow_steps: FlagFile, **server_kwargs):
-    server = OpenAIServer(llm, [MODEL, "alias"], **server_kwargs)
+def uvicorn_in_thread(app, **config_kwargs):
+    """A uvicorn server for the ASGI ``app`` on a free 127.0.0.1 port, in a thread of this process;
+    yields its URL once it accepts connections. ``config_kwargs`` go to uvicorn.Config."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config_kwargs))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -99,11 +99,18 @@ def _uvicorn_in_thread(llm: AsyncLLM, slow_steps: FlagFile, **server_kwargs):
         while not uv.started:
             assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
             time.sleep(0.01)
-        yield RunningServer(f"http://127.0.0.1:{port}", server, llm, slow_steps)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         uv.should_exit = True
         thread.join(10)
         sock.close()
+
+
+@contextlib.contextmanager
+def _uvicorn_in_thread(llm: AsyncLLM, slow_steps: FlagFile, **server_kwargs):
+    server = OpenAIServer(llm, [MODEL, "alias"], **server_kwargs)
+    with uvicorn_in_thread(server.app) as url:
+        yield RunningServer(url, server, llm, slow_steps)
 
 
 @pytest.fixture(scope="module", params=["engine_thread", "engine_process"])

@@ -10,20 +10,18 @@ import argparse
 import contextlib
 import json
 import shutil
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import nanoinfer
 from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args
 from nanoinfer.entrypoints.server import OpenAIServer, PeriodicStatsLog
 from nanoinfer.frontend.async_llm import AsyncLLM
 from nanoinfer.models.default_model import default_model_path
+from tests.entrypoints.test_server import uvicorn_in_thread
 
 API_KEY = "compat-key"
 ENGINE = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 128}
@@ -35,22 +33,11 @@ def serve(model: str, names=tuple(NAMES), engine_kwargs=None, **server_kwargs):
     """A real uvicorn server for ``model`` on a free 127.0.0.1 port, in a thread of this process."""
     llm = AsyncLLM.from_kwargs(model, **{**ENGINE, **(engine_kwargs or {})})
     server = OpenAIServer(llm, list(names), **server_kwargs)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not uv.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+        with uvicorn_in_thread(server.app) as url:
+            yield url, server
     finally:
-        uv.should_exit = True
-        thread.join(10)
         llm.shutdown()
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ from nanoinfer.engine.core import EngineCore
 from nanoinfer.frontend.core_client import EngineCoreDeadError, EngineCoreProcess
 from nanoinfer.frontend.input_processor import InputProcessor
 from nanoinfer.models.checkpoint import load_tokenizer
-from nanoinfer.sampling_params import SamplingParams
 from tests.engine.core_factories import no_core, slow_core, step_fails_core
+from tests.fixtures import engine_requests
 
 KWARGS = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 64}
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -124,17 +124,6 @@ def served(config):
     assert _socket_dirs() <= dirs
 
 
-def _requests(processor, prefix, count=3, **params):
-    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, **params}
-    return [
-        child
-        for i in range(count)
-        for child in processor.process(
-            f"{prefix}{i}", "hello world " * (i + 1), SamplingParams(**params)
-        ).children
-    ]
-
-
 def _in_process(config, requests):
     core = EngineCore(config)
     tokens, logprobs, prompt_logprobs = defaultdict(list), defaultdict(list), defaultdict(list)
@@ -155,7 +144,7 @@ def _in_process(config, requests):
 
 def test_same_outputs_as_an_in_process_core(served, config, processor):
     client, collector = served
-    requests = _requests(processor, "same") + _requests(
+    requests = engine_requests(processor, "same") + engine_requests(
         processor, "sampled", count=1, temperature=0.9, seed=11, n=2, logprobs=3, prompt_logprobs=2
     )
     client.add_requests(requests)
@@ -172,7 +161,7 @@ def test_same_outputs_as_an_in_process_core(served, config, processor):
 
 def test_abort_frees_blocks(served, processor):
     client, collector = served
-    requests = _requests(processor, "abort", max_tokens=200)
+    requests = engine_requests(processor, "abort", max_tokens=200)
     ids = [r.request_id for r in requests]
     client.add_requests(requests)
     collector.wait(lambda: all(collector.tokens[i] for i in ids))
@@ -189,8 +178,9 @@ def test_abort_frees_blocks(served, processor):
 
 def test_rejected_request_fails_alone(served, processor):
     client, collector = served
-    client.add_requests(_requests(processor, "dup", count=1, max_tokens=20))
-    client.add_requests(_requests(processor, "dup", count=1) + _requests(processor, "fine", count=1))
+    client.add_requests(engine_requests(processor, "dup", count=1, max_tokens=20))
+    again = engine_requests(processor, "dup", count=1) + engine_requests(processor, "fine", count=1)
+    client.add_requests(again)
     collector.wait(lambda: {"dup0", "fine0"} <= set(collector.finished))
     assert "already in use" in collector.errors["dup0"]
     assert len(collector.tokens["dup0"]) == 20 and len(collector.tokens["fine0"]) == 8
@@ -232,7 +222,7 @@ def test_killed_engine_calls_on_dead(config, processor, no_leftovers):
     collector = _Collector()
     client = EngineCoreProcess(config, collector.on_outputs, collector.on_dead, ready_timeout=60)
     try:
-        requests = _requests(processor, "kill", max_tokens=200)
+        requests = engine_requests(processor, "kill", max_tokens=200)
         client.add_requests(requests)
         collector.wait(lambda: collector.tokens[requests[0].request_id])
         killed_at = time.monotonic()
@@ -263,7 +253,7 @@ def test_fatal_step_error_calls_on_dead(tiny_qwen3, processor, no_leftovers):
         core_factory=step_fails_core("injected step failure"),
     )
     try:
-        client.add_requests(_requests(processor, "fatal", max_tokens=50))
+        client.add_requests(engine_requests(processor, "fatal", max_tokens=50))
         collector.wait(lambda: collector.dead, timeout=20)
         [(_, text)] = collector.dead
         assert "injected step failure" in text and "Traceback" in text and not client.is_alive

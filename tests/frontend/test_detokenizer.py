@@ -34,10 +34,9 @@ def test_special_tokens_skipped(tmp_path):
     assert detok.text == "done"
 
 
-def test_backend_decode_matches_the_tokenizer(tmp_path):
-    # The fast path decodes with the Rust backend directly: it must give tokenizer.decode's text, special
-    # tokens skipped or not, on arbitrary ids (random models emit any id).
-    tok = build_tokenizer(str(tmp_path))
+def assert_backend_decode_matches(tok) -> None:
+    """The fast path decodes with the Rust backend directly: it must give tokenizer.decode's text,
+    special tokens skipped or not, on arbitrary ids (random models emit any id)."""
     backend = backend_decoder(tok)
     assert backend is not None
     rng = random.Random(0)
@@ -45,6 +44,10 @@ def test_backend_decode_matches_the_tokenizer(tmp_path):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
         for skip in (True, False):
             assert backend.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_backend_decode_matches_the_tokenizer(tmp_path):
+    assert_backend_decode_matches(build_tokenizer(str(tmp_path)))
 
 
 def test_slow_path_when_spaces_are_cleaned_up(tmp_path):

@@ -2,11 +2,11 @@
 
 import importlib.util
 import os
-import random
 
 import pytest
 
-from nanoinfer.frontend.detokenizer import IncrementalDetokenizer, backend_decoder
+from nanoinfer.frontend.detokenizer import IncrementalDetokenizer
+from tests.frontend.test_detokenizer import assert_backend_decode_matches
 
 TEXTS = [
     "Hello, world! Paged attention keeps the KV cache in fixed-size blocks.",
@@ -54,11 +54,4 @@ def test_deferred_decoding_gives_the_same_text(qwen3_tokenizer):
 
 
 def test_backend_decode_matches_the_tokenizer(qwen3_tokenizer):
-    tok = qwen3_tokenizer
-    backend = backend_decoder(tok)
-    assert backend is not None
-    rng = random.Random(0)
-    for _ in range(200):
-        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
-        for skip in (True, False):
-            assert backend.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    assert_backend_decode_matches(qwen3_tokenizer)

