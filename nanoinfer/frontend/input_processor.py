@@ -149,11 +149,10 @@ class InputProcessor:
         raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _check_token_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, list | tuple):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        # The common case (plain ints) checked by C loops: this runs for every token of every prompt.
-        if set(map(type, ids)) - {int} and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        # The common case (plain ints) is checked by C loops: this runs for every token of every prompt.
+        if not isinstance(ids, list | tuple) or (
+            set(map(type, ids)) - {int}
+            and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
         ):
             raise ValueError("prompt_token_ids must be a list of integers")
         if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
