@@ -345,6 +345,21 @@ def check_gemv(gen):
                 K.gref.gemv_ref(x, weight),
                 str(K.gemv.gemv_config(m, n, k)),
             )
+    n, k = PROJECTIONS["down"]
+    weight = randn(gen, n, k, scale=0.05)
+    for m in (1, 4, 16):
+        # The MLP's down projection with silu(gate) * up computed as its input loads.
+        gate_up = randn(gen, m, 2 * k)
+        out = poison(m, n)
+        config = K.gemv.preferred_config(m, n, k)
+        K.gemv.gemv(gate_up, weight, out=out, config=config, gated=True)
+        check_close(
+            "gemv_gated",
+            {"proj": "down", "M": m},
+            out,
+            K.gref.silu_mul_gemv_ref(gate_up, weight),
+            str(config),
+        )
     weight, bias = randn(gen, 300, 96), randn(gen, 300)
     for config in (None, K.gemv.GemvConfig(16, 32, 3, True), K.gemv.GemvConfig(8, 32, 2)):
         x = randn(gen, 5, 96)
@@ -997,8 +1012,9 @@ def time_prefill(gen, quick):
 class MockDecodeStep:
     """The decode step of a Qwen3-0.6B-shaped model at ``batch`` x ``ctx`` built from these kernels
     (random weights, distinct per layer so nothing stays in L2): per layer add_rms_norm, qkv projection,
-    qk_norm_rope_store, decode attention, o projection, add_rms_norm, gate_up, silu_and_mul, down; then
-    the final norm, the LM head and the sampler. Projections through ``gemv`` or cuBLAS."""
+    qk_norm_rope_store, decode attention, o projection, add_rms_norm, gate_up, down (with silu_and_mul
+    fused into it, as the engine runs it at small batches); then the final norm, the LM head and the
+    sampler. Projections through ``gemv`` or cuBLAS (with a separate silu_and_mul)."""
 
     def __init__(self, gen, batch, ctx, fp8=False):
         self.batch = batch
@@ -1049,6 +1065,11 @@ class MockDecodeStep:
         def project(x, w):
             return torch.nn.functional.linear(x, w) if cublas else K.gemv.gemv(x, w, pdl=pdl)
 
+        def project_gated(gate_up, w):
+            if cublas:
+                return torch.nn.functional.linear(K.elem.silu_and_mul(gate_up, pdl=pdl), w)
+            return K.gemv.gemv(gate_up, w, pdl=pdl, gated=True)
+
         x = self.hidden.clone()
         residual = torch.zeros_like(x)
         for layer in self.layers:
@@ -1085,7 +1106,7 @@ class MockDecodeStep:
             )
             x = project(attn.view(self.batch, -1), layer["o"])
             K.elem.add_rms_norm(x, residual, layer["norm2"], EPS, pdl=pdl)
-            x = project(K.elem.silu_and_mul(project(x, layer["gate_up"]), pdl=pdl), layer["down"])
+            x = project_gated(project(x, layer["gate_up"]), layer["down"])
         K.elem.add_rms_norm(x, residual, self.final_norm, EPS, pdl=pdl)
         logits = project(x, self.lm_head)
         K.samp.gumbel_sample(logits, self.temperature, self.seeds, self.offsets, out=self.tokens, pdl=pdl)

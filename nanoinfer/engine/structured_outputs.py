@@ -2,15 +2,19 @@
 step's token bitmask of its constrained rows.
 
 The bitmask of step n+1 depends on the token step n samples. The core therefore launches step n+1's
-forward pass first, then (while the device runs it) waits for step n's tokens, advances the matchers
-with them and fills step n+1's bitmask on the CPU, and only then launches step n+1's sampling with the
-bitmask (``Executor.sample``). Without async scheduling the same order holds within one step.
+forward pass with its sampling deferred, waits for step n's tokens and advances the matchers with them,
+and starts filling step n+1's bitmask on a worker thread (:meth:`StructuredOutputManager.start_bitmask`:
+the grammar libraries release the GIL while they fill). The engine's thread meanwhile returns step n's
+outputs, and in its next step schedules and prepares step n+2; only then does it wait for the bitmask,
+launch step n+1's sampling with it (``Executor.sample``) and, right behind it, step n+2's forward pass.
+Without async scheduling the bitmask is filled on the engine's thread, within one step.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +35,18 @@ class GrammarBitmask:
 
     rows: list[int]  # indices into SchedulerOutput.scheduled, of rows that sample
     bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)] on the CPU (see structured/backend.py)
+    # Recorded after the copy to the GPU, which reads the (pinned) buffer until then.
+    uploaded: torch.cuda.Event | None = None
+
+    def upload(self, device: torch.device) -> torch.Tensor:
+        """The bitmask on ``device``, without waiting for the device: the buffer is pinned on CUDA, and
+        is refilled only after ``uploaded`` (see :meth:`StructuredOutputManager._take_buffer`)."""
+        if device.type != "cuda":
+            return self.bitmask
+        masks = self.bitmask.to(device, non_blocking=True)
+        self.uploaded = torch.cuda.Event()
+        self.uploaded.record()
+        return masks
 
 
 class StructuredOutputManager:
@@ -43,10 +59,14 @@ class StructuredOutputManager:
         self._config = config
         self._tokenizer = tokenizer
         self._compiler: GrammarCompiler | None = None
-        self._bitmask: torch.Tensor | None = None
-        # Time spent filling bitmasks, for the structured-outputs benchmark.
+        self._buffer: torch.Tensor | None = None
+        self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
+        self._filler: ThreadPoolExecutor | None = None
+        # For the structured-outputs benchmark: time spent filling bitmasks, and the part of it that
+        # the engine's thread waited for.
         self.num_mask_steps = 0
         self.mask_seconds = 0.0
+        self.mask_wait_seconds = 0.0
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -66,15 +86,47 @@ class StructuredOutputManager:
 
     def bitmask(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
         """The bitmask of (scheduled row, matcher) pairs, filled on the grammar libraries' threads."""
+        return self._fill(grammars, self._take_buffer(grammars))
+
+    def start_bitmask(self, grammars: list[tuple[int, Grammar]]) -> Future[GrammarBitmask]:
+        """:meth:`bitmask` on a worker thread. The matchers must not be advanced until it is done."""
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-bitmask")
+        return self._filler.submit(self._fill, grammars, self._take_buffer(grammars))
+
+    def wait(self, bitmask: Future[GrammarBitmask]) -> GrammarBitmask:
+        started = time.perf_counter()
+        result = bitmask.result()
+        self.mask_wait_seconds += time.perf_counter() - started
+        return result
+
+    def close(self) -> None:
+        """Lets a fill in progress end and stops the worker thread."""
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
+            self._filler = None
+
+    def _take_buffer(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
+        """The next bitmask, in the one buffer. Its previous bitmask's copy to the GPU came before the
+        sampling whose tokens advanced these matchers, so the wait is for a finished copy."""
         from nanoinfer.structured.backend import allocate_token_bitmask
 
+        previous = self._last
+        if previous is not None and previous.uploaded is not None:
+            previous.uploaded.synchronize()
+        num_rows = len(grammars)
+        if self._buffer is None or self._buffer.shape[0] < num_rows:
+            self._buffer = allocate_token_bitmask(
+                max(num_rows, self._config.max_num_seqs),
+                self.compiler.vocab_size,
+                pin_memory=self._config.device == "cuda",
+            )
+        self._last = GrammarBitmask([row for row, _ in grammars], self._buffer[:num_rows])
+        return self._last
+
+    def _fill(self, grammars: list[tuple[int, Grammar]], result: GrammarBitmask) -> GrammarBitmask:
         started = time.perf_counter()
-        compiler = self.compiler
-        if self._bitmask is None or self._bitmask.shape[0] < len(grammars):
-            rows = max(len(grammars), self._config.max_num_seqs)
-            self._bitmask = allocate_token_bitmask(rows, compiler.vocab_size)
-        bitmask = self._bitmask[: len(grammars)]
-        compiler.fill_bitmasks([(grammar, i) for i, (_, grammar) in enumerate(grammars)], bitmask)
+        self.compiler.fill_bitmasks([(grammar, i) for i, (_, grammar) in enumerate(grammars)], result.bitmask)
         self.num_mask_steps += 1
         self.mask_seconds += time.perf_counter() - started
-        return GrammarBitmask([row for row, _ in grammars], bitmask)
+        return result

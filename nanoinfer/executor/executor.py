@@ -5,7 +5,11 @@ from __future__ import annotations
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.structured_outputs import GrammarBitmask
+from nanoinfer.executor.input_batch import StepInputs, StepPlan
 from nanoinfer.executor.model_runner import ModelRunner, StepHandle
+
+# A step's inputs as host arrays and its row bookkeeping, made before it is launched.
+PreparedStep = tuple[StepInputs, StepPlan]
 
 
 class Executor:
@@ -19,10 +23,17 @@ class Executor:
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks
 
-    def execute(self, out: SchedulerOutput, defer_sampling: bool = False) -> StepHandle:
-        """Launches the step; the handle's result() waits for it. ``defer_sampling``: launch the forward
-        pass and the logits only; :meth:`sample` launches the rest."""
-        step, plan = self.runner.prepare(out)
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """The step's inputs, on the host: nothing is launched, so the sampling of a step before it may
+        still be launched first (its tokens are this step's pending inputs)."""
+        return self.runner.prepare(out)
+
+    def launch(
+        self, out: SchedulerOutput, prepared: PreparedStep, defer_sampling: bool = False
+    ) -> StepHandle:
+        """Launches a prepared step; the handle's result() waits for it. ``defer_sampling``: launch the
+        forward pass and the logits only; :meth:`sample` launches the rest."""
+        step, plan = prepared
         return self.runner.execute(out, step, plan, defer_sampling)
 
     def sample(self, handle: StepHandle, bitmask: GrammarBitmask | None) -> None:

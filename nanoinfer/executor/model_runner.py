@@ -402,7 +402,10 @@ class ModelRunner:
         logits_index = self._to_device(step.logits_index)
         logits = self._compute_logits(hidden[logits_index])
         last_inputs = self.buffers.input_ids[logits_index]
-        metadata = self.input_batch.sampling_metadata(out, plan, last_inputs)
+        batch = self.input_batch
+        metadata = batch.sampling_metadata(out, plan, last_inputs)
+        # Known now, so that the next step can be prepared before this one's sampling is launched.
+        batch.previous_sample_row = {out.scheduled[i].request_id: j for j, i in enumerate(plan.sample_rows)}
         if defer_sampling:
             handle.deferred = (logits, metadata)
         else:
@@ -419,7 +422,7 @@ class ModelRunner:
         if bitmask is not None and bitmask.rows:
             logits_row = {index: j for j, index in enumerate(handle.plan.sample_rows)}
             rows = np.array([logits_row[index] for index in bitmask.rows], dtype=np.int64)
-            masks = self._to_device(bitmask.bitmask.numpy())
+            masks = bitmask.upload(self.device)
             if logits.device.type == "cuda":
                 from nanoinfer.structured.triton_bitmask import apply_token_bitmask
 
@@ -429,13 +432,11 @@ class ModelRunner:
         self._sample(handle, logits, metadata)
 
     def _sample(self, handle: StepHandle, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
-        out, plan = handle.out, handle.plan
         sampled, failed = self.sampler.sample_isolating_faults(logits, metadata)
         batch = self.input_batch
         # A failed row's token (-1) must not become the next step's input, which it still is (its
         # request ends only when this step's result is read).
         batch.previous_sampled = sampled.token_ids.clamp_min(0) if failed else sampled.token_ids
-        batch.previous_sample_row = {out.scheduled[i].request_id: j for j, i in enumerate(plan.sample_rows)}
         handle._tokens, handle._event = self.pinned_outputs.to_host(sampled.token_ids)
         handle._wait = self.device_wait if handle._event is not None else None
         handle.failed_rows = failed

@@ -170,6 +170,17 @@ def _load_scale(scale_ptr, SCALED: tl.constexpr):
         return 1.0
 
 
+@triton.jit
+def _matmul_dtype(q, cache_ptr):
+    """``q`` in the dtype that the attention's tl.dots multiply in: against an FP8 cache a bf16 query
+    becomes float16, since e4m3 converts to float16 in one instruction per pair of values and to bf16
+    only through float32 (the conversion of every K/V element then costs what the halved bytes save).
+    float16 holds every e4m3 value exactly, and the scores and outputs still accumulate in float32."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
+    return q
+
+
 # ----------------------------------------------------------------------------------------------------
 # store_kvcache
 # ----------------------------------------------------------------------------------------------------
@@ -462,6 +473,7 @@ def _decode_kernel(
             mask=row_mask[:, None],
             other=0.0,
         )
+        q = _matmul_dtype(q, k_cache_ptr)
         qk_scale = scale_log2 * _load_scale(k_scale_ptr, K_SCALED)
         acc, m_i, l_i = _decode_range(
             q,
@@ -881,6 +893,7 @@ def _prefill_kernel(
                 mask=row_mask[:, None],
                 other=0.0,
             )
+            q = _matmul_dtype(q, k_cache_ptr)
             query_pos = prefix_len + q_idx
             qk_scale = scale_log2 * _load_scale(k_scale_ptr, K_SCALED)
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

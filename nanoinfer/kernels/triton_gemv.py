@@ -6,7 +6,9 @@ so the loads are coalesced) over a range of K; with ``split_k`` > 1 the K ranges
 run in separate programs, each writing a float32 partial, and the last of them to finish (an atomic
 counter) sums the partials in split order (deterministic) and writes the output. The product is
 either a broadcast multiply-and-sum on the CUDA cores (``use_dot=False``, for 1-4 rows) or a tensor-core
-``tl.dot`` with the rows padded to 16.
+``tl.dot`` with the rows padded to 16. With ``gated`` the input is a gated MLP's [gate | up] and the
+product is over silu(gate) * up, computed as the tiles load (the MLP's down projection without a
+separate activation kernel).
 
 The split-K counters live in one zeroed int32 buffer per device, created on the first split-K call
 (make that call before CUDA-graph capture) and left at zero after every call; launches that share it
@@ -84,16 +86,35 @@ def preferred_config(m: int, n: int, k: int) -> GemvConfig | None:
 
 
 @triton.jit
-def _load_tiles(w_rows, x_rows, k0, k_stop, col_mask, row_mask, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """The weight tile [BLOCK_N, BLOCK_K] and the x tile [BLOCK_M, BLOCK_K] at k0 (zeros past k_stop)."""
+def _load_tiles(
+    w_rows,
+    x_rows,
+    k0,
+    k_stop,
+    K,
+    col_mask,
+    row_mask,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    """The weight tile [BLOCK_N, BLOCK_K] and the x tile [BLOCK_M, BLOCK_K] at k0 (zeros past k_stop);
+    with GATED the x tile is silu(gate) * up of the gate columns at k0 and the up columns at K + k0,
+    rounded as the separate activation kernel rounds (silu, then the product, to x's dtype)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     if EVEN:
         w = tl.load(w_rows + ks[None, :])
-        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None], other=0.0)
+        x_mask = row_mask[:, None]
     else:
         k_mask = ks < k_stop
         w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        x_mask = row_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        up = tl.load(x_rows + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
+        x = (silu * up).to(x.dtype)
     return w, x
 
 
@@ -118,6 +139,7 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
+    GATED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -137,17 +159,17 @@ def _gemv_kernel(
     if USE_DOT:
         # Triton pipelines these loads through shared memory (num_stages).
         for k0 in range(k_start, k_stop, BLOCK_K):
-            w, x = _load_tiles(w_rows, x_rows, k0, k_stop, col_mask, row_mask, BLOCK_K, EVEN)
+            w, x = _load_tiles(w_rows, x_rows, k0, k_stop, K, col_mask, row_mask, BLOCK_K, EVEN, GATED)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
         # Loads that do not feed a dot are not pipelined by Triton: the next tile is requested before
         # the current one is used, so that two tiles per program are in flight. One row accumulates
         # elementwise and reduces once at the end; more rows reduce every tile (registers).
-        w, x = _load_tiles(w_rows, x_rows, k_start, k_stop, col_mask, row_mask, BLOCK_K, EVEN)
+        w, x = _load_tiles(w_rows, x_rows, k_start, k_stop, K, col_mask, row_mask, BLOCK_K, EVEN, GATED)
         acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
             w_next, x_next = _load_tiles(
-                w_rows, x_rows, k0 + BLOCK_K, k_stop, col_mask, row_mask, BLOCK_K, False
+                w_rows, x_rows, k0 + BLOCK_K, k_stop, K, col_mask, row_mask, BLOCK_K, False, GATED
             )
             if BLOCK_M == 1:
                 acc_k += w.to(tl.float32) * x.to(tl.float32)
@@ -200,13 +222,18 @@ def gemv(
     out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,
+    gated: bool = False,
 ) -> torch.Tensor:
     """``x`` [M, K] (1 <= M <= 16, unit last stride) @ ``weight`` [N, K].T (row-major, as nn.Linear
-    stores it) + ``bias`` [N]: a new [M, N] tensor of ``x``'s dtype (or ``out``), float32 accumulation."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
+    stores it) + ``bias`` [N]: a new [M, N] tensor of ``x``'s dtype (or ``out``), float32 accumulation.
+    ``gated``: ``x`` is [M, 2K] = [gate | up] and the product is silu(gate) * up @ ``weight``.T."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gated else 1):
+        expected = "[M, 2K] ([gate | up])" if gated else "[M, K]"
+        raise ValueError(
+            f"need x {expected} and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    m = x.shape[0]
+    n, k = weight.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows of x, got {m}")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
@@ -247,6 +274,7 @@ def gemv(
         USE_DOT=config.use_dot,
         HAS_BIAS=bias is not None,
         EVEN=n % config.block_n == 0 and k % (config.block_k * config.split_k) == 0,
+        GATED=gated,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl,
         num_warps=config.num_warps,

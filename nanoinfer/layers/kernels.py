@@ -19,15 +19,21 @@ from nanoinfer.kernels import elementwise_ref
 class LayerKernels:
     rms_norm: Callable
     add_rms_norm: Callable  # in place: (x, residual) <- (rms_norm(x + residual), x + residual)
-    silu_and_mul: Callable
+    silu_mul_linear: Callable  # silu(gate) * up of x = [gate | up], @ weight.T + bias
     qk_norm_rope_store: Callable  # in place on the fused qkv; stores k and v in the paged cache
     linear: Callable  # x @ weight.T + bias
+
+
+def _silu_mul_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return F.linear(elementwise_ref.silu_and_mul_ref(x), weight, bias)
 
 
 REFERENCE_KERNELS = LayerKernels(
     rms_norm=elementwise_ref.rms_norm_ref,
     add_rms_norm=elementwise_ref.add_rms_norm_ref,
-    silu_and_mul=elementwise_ref.silu_and_mul_ref,
+    silu_mul_linear=_silu_mul_linear_ref,
     qk_norm_rope_store=elementwise_ref.qk_norm_rope_store_ref,
     linear=F.linear,
 )
@@ -47,10 +53,19 @@ def triton_kernels(pdl: bool = True) -> LayerKernels:
             return F.linear(x, weight, bias)
         return triton_gemv.gemv(x, weight, bias, config=config, pdl=pdl)
 
+    def silu_mul_linear(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # Where the projection runs as a GEMV, the activation is computed as its input loads.
+        config = triton_gemv.preferred_config(x.shape[0], weight.shape[0], weight.shape[1])
+        if config is None or x.dim() != 2 or x.stride(1) != 1:
+            return F.linear(kernels.silu_and_mul(x, pdl=pdl), weight, bias)
+        return triton_gemv.gemv(x, weight, bias, config=config, pdl=pdl, gated=True)
+
     return LayerKernels(
         rms_norm=functools.partial(kernels.rms_norm, pdl=pdl),
         add_rms_norm=functools.partial(kernels.add_rms_norm, pdl=pdl),
-        silu_and_mul=functools.partial(kernels.silu_and_mul, pdl=pdl),
+        silu_mul_linear=silu_mul_linear,
         qk_norm_rope_store=functools.partial(kernels.qk_norm_rope_store, pdl=pdl),
         linear=linear,
     )

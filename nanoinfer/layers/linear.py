@@ -142,15 +142,19 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
-    """Input features split across ranks; partial sums are all-reduced at the exit."""
+    """Input features split across ranks; partial sums are all-reduced at the exit. ``gated_input``:
+    the input is a gated MLP's [gate | up] (this rank's slices of both), and the projection is over
+    silu(gate) * up (the MLP's down projection, with the activation fused into it)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, gated_input: bool = False):
         in_per_rank = _divide(in_features, tp_size(), "input features")
         super().__init__(in_per_rank, out_features, bias, tp_dim=1)
+        self.gated_input = gated_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        project = self.kernels.silu_mul_linear if self.gated_input else self.kernels.linear
         if self.tp_size == 1:
-            return self.kernels.linear(x, self.weight, self.bias)
+            return project(x, self.weight, self.bias)
         # Only rank 0 adds the bias, so that the sum contains it once.
-        y = self.kernels.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = project(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanoinfer.layers.activation import SiluAndMul
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.kernels import REFERENCE_KERNELS
@@ -98,11 +97,10 @@ class DecoderMLP(nn.Module):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], variant.mlp_bias)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, variant.mlp_bias)
-        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, variant.mlp_bias, gated_input=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -252,6 +252,32 @@ def test_paged_prefill_matches_reference(
     assert torch.equal(out[-num_padding_rows:], torch.zeros_like(out[-num_padding_rows:]))
 
 
+def test_fp8_cache_with_bf16_queries_matches_reference():
+    """Against an FP8 cache a bf16 query is multiplied in float16 (the kernels' _matmul_dtype): the
+    decode and prefill kernels still match the reference at bf16's tolerance."""
+    kernels = _kernels()
+    gen = generator(17)
+    seq_lens, q_lens = [37, 130, 1], [5, 64, 1]
+    tables, num_blocks = random_tables(gen, seq_lens, 16)
+    scales = fp8_scales(0.5, 0.25)
+    k_cache, v_cache = random_cache(gen, num_blocks, 16, 2, 64, torch.bfloat16, scales)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    query = randn(gen, 3, 4, 64, dtype=torch.bfloat16)
+    out = kernels.paged_decode_attention(
+        query, k_cache, v_cache, tables, lens, 0.125, k_scale=scales[0], v_scale=scales[1]
+    )
+    qsl = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, 0.125, *scales)
+    assert rel_error(out, ref) < _attention_tolerance(torch.bfloat16)
+    query = randn(gen, sum(q_lens), 4, 64, dtype=torch.bfloat16)
+    qsl = torch.tensor([0, 5, 69, 70], dtype=torch.int32, device=DEVICE)
+    out = kernels.paged_prefill_attention(
+        query, k_cache, v_cache, qsl, lens, tables, max(q_lens), 0.125, k_scale=scales[0], v_scale=scales[1]
+    )
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, 0.125, *scales)
+    assert rel_error(out, ref) < _attention_tolerance(torch.bfloat16)
+
+
 def test_input_validation_names_the_field():
     kernels = _kernels()
     k_cache = torch.zeros(4, 16, 2, 64, dtype=DTYPE, device=DEVICE)

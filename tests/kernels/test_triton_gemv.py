@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanoinfer.kernels.gemv_ref import gemv_ref
+from nanoinfer.kernels.gemv_ref import gemv_ref, silu_mul_gemv_ref
 from tests.kernels.helpers import DEVICE, DTYPE, DTYPES, generator, randn, rel_error, tolerance, triton_module
 
 
@@ -34,6 +34,24 @@ def test_gemv_matches_reference(rows, n, k, config_name, dtype):
     kernels.gemv(x, weight, bias, out=out, config=config)
     assert not out.isnan().any()
     assert rel_error(out, gemv_ref(x, weight, bias)) < max(tolerance(dtype), 1e-4)
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+@pytest.mark.parametrize("rows,n,k", [(1, 40, 96), (3, 64, 200), (16, 24, 64)])
+def test_gated_gemv_matches_reference(rows, n, k, config_name):
+    kernels = _kernels()
+    spec = CONFIGS[config_name]
+    config = kernels.GemvConfig(**spec) if spec else None
+    gen = generator(rows * n + k + 1)
+    gate_up = randn(gen, rows, 2 * k + 8, dtype=DTYPE)[:, : 2 * k]  # row-strided
+    weight = randn(gen, n, k, dtype=DTYPE)
+    bias = randn(gen, n, dtype=DTYPE) if rows % 2 else None
+    out = torch.full((rows, n), float("nan"), dtype=DTYPE, device=DEVICE)
+    kernels.gemv(gate_up, weight, bias, out=out, config=config, gated=True)
+    assert not out.isnan().any()
+    assert rel_error(out, silu_mul_gemv_ref(gate_up, weight, bias)) < max(tolerance(DTYPE), 1e-4)
+    with pytest.raises(ValueError, match="gate"):
+        kernels.gemv(gate_up[:, :k], weight, gated=True)
 
 
 def test_split_k_counters_are_left_at_zero():

@@ -7,7 +7,7 @@ import torch
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.scheduler import SchedulerOutput
-from nanoinfer.executor.executor import Executor
+from nanoinfer.executor.executor import Executor, PreparedStep
 from nanoinfer.executor.model_runner import ModelRunner, StepHandle
 from nanoinfer.executor.tp.workers import TensorParallelWorkers
 
@@ -46,8 +46,10 @@ class TensorParallelExecutor(Executor):
         with self.workers.running_step():
             self.workers.wait_for_device(event)
 
-    def execute(self, out: SchedulerOutput, defer_sampling: bool = False) -> StepHandle:
-        step, plan = self.runner.prepare(out)
+    def launch(
+        self, out: SchedulerOutput, prepared: PreparedStep, defer_sampling: bool = False
+    ) -> StepHandle:
+        step, plan = prepared
         with self.workers.running_step():
             self.workers.send(step)
             return self.runner.execute(out, step, plan, defer_sampling)
