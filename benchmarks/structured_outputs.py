@@ -81,12 +81,67 @@ def _model(args: argparse.Namespace, scratch: str) -> str:
     return path
 
 
-def _run(llm: LLM, params: list[SamplingParams]) -> tuple[dict, list[int]]:
+class PhaseTimes:
+    """``--profile``: wall time of each host phase of the engine's loop, summed over a run (wrappers on
+    the engine's own objects; the class method StepHandle.result is wrapped for the run only)."""
+
+    def __init__(self, llm: LLM):
+        from nanoinfer.executor.model_runner import StepHandle
+
+        engine = llm.llm_engine
+        core = engine.engine_core
+        self.seconds: dict[str, float] = {}
+        self.num_steps = 0
+        self._wrap(engine, "step", "engine step (all)")
+        self._wrap(core, "step", "core step")
+        self._wrap(core.scheduler, "schedule", "schedule")
+        self._wrap(core.executor, "prepare", "prepare inputs")
+        self._wrap(core.executor, "launch", "launch forward")
+        self._wrap(core.executor, "sample", "launch deferred sampling")
+        self._wrap(core.structured_outputs, "wait", "wait for bitmask")
+        self._wrap(core.scheduler, "update_from_output", "update (grammars advance)")
+        self._result = StepHandle.result
+        self._handle_class = StepHandle
+        timed = self._timed(self._result, "wait for tokens")
+        StepHandle.result = lambda handle: timed(handle)
+
+    def _timed(self, fn, name: str):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+                if name == "engine step (all)":
+                    self.num_steps += 1
+
+        return timed
+
+    def _wrap(self, owner, attribute: str, name: str) -> None:
+        setattr(owner, attribute, self._timed(getattr(owner, attribute), name))
+
+    def close(self) -> dict[str, float]:
+        """Restores StepHandle.result; microseconds per engine step of each phase."""
+        self._handle_class.result = self._result
+        steps = max(self.num_steps, 1)
+        per_step = {name: round(s / steps * 1e6, 1) for name, s in self.seconds.items()}
+        per_step["outputs (frontend)"] = round(
+            per_step.get("engine step (all)", 0.0) - per_step.get("core step", 0.0), 1
+        )
+        per_step["steps"] = self.num_steps
+        return per_step
+
+
+def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple[dict, list[int]]:
     """The run's figures, and each request's output length."""
     prompts = [PROMPT] * len(params)
     before = llm.llm_engine.stats()
+    phases = PhaseTimes(llm) if profile else None
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        phase_us = phases.close() if phases is not None else None
     seconds = time.perf_counter() - started
     after = llm.llm_engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -112,6 +167,7 @@ def _run(llm: LLM, params: list[SamplingParams]) -> tuple[dict, list[int]]:
         "mask_us_per_step": round(mask_us / mask_steps, 1) if mask_steps else None,
         # The part of the fill that the engine's thread waited for (async scheduling fills beside it).
         "mask_wait_us_per_step": round(wait_us / mask_steps, 1) if mask_steps else None,
+        **({"host_phase_us_per_step": phase_us} if phase_us is not None else {}),
     }, [len(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -129,6 +185,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--result-file", metavar="PATH")
+    parser.add_argument(
+        "--profile", action="store_true", help="time each host phase of the engine's loop (us per step)"
+    )
     add_engine_args(parser)
     args = parser.parse_args()
     engine_kwargs = engine_kwargs_from_args(args)
@@ -162,7 +221,7 @@ def main() -> int:
             llm = LLM(model, **engine_kwargs)
             try:
                 _run(llm, params[:4])  # warm-up: kernels, the grammar compiler, the lexer's first states
-                results[name], run_lengths = _run(llm, params)
+                results[name], run_lengths = _run(llm, params, args.profile)
             finally:
                 llm.close()
             if name == "json_schema":
@@ -185,6 +244,12 @@ def main() -> int:
             f"{name:<14} {r['seconds']:>8.2f} {r['output_tokens']:>8} {r['output_tok_per_s']:>10.1f} "
             f"{reasons:>12} {mask:>13} {wait:>15}"
         )
+    if args.profile:
+        names = list(results["json_schema"]["host_phase_us_per_step"])
+        print(f"{'host phase, us per step':<28}" + "".join(f"{run:>16}" for run in results))
+        for phase in names:
+            row = [r["host_phase_us_per_step"].get(phase, 0.0) for r in results.values()]
+            print(f"{phase:<28}" + "".join(f"{value:>16.1f}" for value in row))
     print(f"throughput ratio (json_schema / unconstrained): {ratio:.3f}")
     print(f"throughput ratio (json_schema / length_matched): {matched_ratio:.3f}")
     if args.result_file:

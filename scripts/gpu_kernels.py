@@ -399,6 +399,12 @@ def decode_configs(quick: bool) -> dict:
         "fused_t2": K.attn.DecodeConfig(target_programs_per_sm=2),
         "fused_n32_w2": K.attn.DecodeConfig(block_n=32, num_warps=2),
         "fused_s2": K.attn.DecodeConfig(num_stages=2),
+        # Whether loads are pipelined (s1 against s3/s4) and how tile size and warps move the FP8 cache.
+        "fused_n32_s1": K.attn.DecodeConfig(block_n=32, num_stages=1),
+        "fused_n32_s4": K.attn.DecodeConfig(block_n=32, num_stages=4),
+        "fused_n16_w2": K.attn.DecodeConfig(block_n=16, num_warps=2),
+        "fused_n32_w1": K.attn.DecodeConfig(block_n=32, num_warps=1),
+        "fused_n128_w8": K.attn.DecodeConfig(block_n=128, num_warps=8),
     }
     return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32")} if quick else configs
 
