@@ -1049,7 +1049,9 @@ class MockDecodeStep:
         self.hidden = randn(gen, batch, HIDDEN)
         self.positions = torch.full((batch,), ctx - 1, dtype=torch.int64, device=DEVICE)
         width = self.layers[0]["paged"].block_tables.shape[1]
-        self.workspace = K.attn.DecodeWorkspace.allocate(batch, HEADS, KV_HEADS, HEAD_DIM, width * 16, DEVICE)
+        self.workspace = K.attn.DecodeWorkspace.allocate(
+            batch, HEADS, KV_HEADS, HEAD_DIM, width * 16, DEVICE, cache_dtype=FP8 if fp8 else DTYPE
+        )
         self.temperature = torch.full((batch,), 0.7, device=DEVICE)
         self.seeds = torch.arange(batch, device=DEVICE)
         self.offsets = torch.zeros(batch, dtype=torch.int64, device=DEVICE)

@@ -101,10 +101,12 @@ class StructuredOutputManager:
         return result
 
     def close(self) -> None:
-        """Lets a fill in progress end and stops the worker thread."""
+        """Lets a fill in progress end and stops the worker threads."""
         if self._filler is not None:
             self._filler.shutdown(wait=True)
             self._filler = None
+        if self._compiler is not None:
+            self._compiler.close()
 
     def _take_buffer(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
         """The next bitmask, in the one buffer. Its previous bitmask's copy to the GPU came before the

@@ -163,6 +163,7 @@ class ModelRunner:
                 self.head_dim,
                 width * self.block_size,
                 self.device,
+                cache_dtype=self.kv_dtype,
             )
         if self.device.type == "cuda":
             self._warm_up_kernels()

@@ -69,6 +69,12 @@ class DecodeConfig:
 # against 3.0-3.2 with 4, 9, 17 or 64).
 MERGE_KERNEL_DECODE = DecodeConfig(mode="merge_kernel")
 DEFAULT_DECODE = DecodeConfig()
+# Against an FP8 cache (H200, Qwen3-0.6B shape, docs/benchmarks.md): 32-key tiles beat 64-key ones (66
+# against 76 us at batch 64 x 1024), and once the grid is full one warp per program beats four (219
+# against 248 us at 256 x 1024; 4 warps stay better at batch 64: 66 against 86 us).
+FP8_DECODE = DecodeConfig(block_n=32)
+FP8_FULL_GRID_DECODE = DecodeConfig(block_n=32, num_warps=1)
+_FULL_GRID_PROGRAMS_PER_SM = 12
 
 
 @dataclass(frozen=True)
@@ -560,6 +566,17 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def default_decode_config(
+    batch: int, num_kv_heads: int, cache_dtype: torch.dtype, num_sms: int = 132
+) -> DecodeConfig:
+    """The configuration ``paged_decode_attention`` uses when it is given none."""
+    if cache_dtype != FP8_DTYPE:
+        return DEFAULT_DECODE
+    if batch * num_kv_heads >= _FULL_GRID_PROGRAMS_PER_SM * num_sms:
+        return FP8_FULL_GRID_DECODE
+    return FP8_DECODE
+
+
 def decode_num_splits(
     batch: int, num_kv_heads: int, max_context: int, num_sms: int, config: DecodeConfig = DEFAULT_DECODE
 ) -> int:
@@ -597,12 +614,21 @@ class DecodeWorkspace:
         head_dim: int,
         max_context: int,
         device: torch.device | str,
-        config: DecodeConfig = DEFAULT_DECODE,
+        config: DecodeConfig | None = None,
+        cache_dtype: torch.dtype = torch.bfloat16,
     ) -> DecodeWorkspace:
+        """For calls with ``config``, or (None) with each batch's default for ``cache_dtype``."""
         device = torch.device(device)
         num_sms = _num_sms(device)
         rows = max(
-            b * decode_num_splits(b, num_kv_heads, max_context, num_sms, config)
+            b
+            * decode_num_splits(
+                b,
+                num_kv_heads,
+                max_context,
+                num_sms,
+                config or default_decode_config(b, num_kv_heads, cache_dtype, num_sms),
+            )
             for b in range(1, max_batch + 1)
         )
         return cls(
@@ -644,11 +670,12 @@ def paged_decode_attention(
         raise ValueError(f"out must be {tuple(query.shape)} with stride(-1) == 1, got {tuple(out.shape)}")
     if batch == 0:
         return out
-    config = config or DEFAULT_DECODE
+    num_sms = _num_sms(query.device)
+    config = config or default_decode_config(batch, num_kv_heads, k_cache.dtype, num_sms)
     query = _last_dim_contiguous(query)
     block_tables = _last_dim_contiguous(block_tables)
     max_context = block_tables.shape[1] * block_size
-    num_splits = decode_num_splits(batch, num_kv_heads, max_context, _num_sms(query.device), config)
+    num_splits = decode_num_splits(batch, num_kv_heads, max_context, num_sms, config)
     _launch_decode(
         query, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace, num_splits, group, config,
         k_scale, v_scale, pdl,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -369,6 +370,12 @@ def fix_strings(ebnf: str) -> str:
 # -- compiler and matcher ------------------------------------------------------------------------------------
 
 
+# Mask-fill parallelism: at most this many threads, each with at least this many rows (a thread for
+# fewer rows costs about what it saves: one row takes about 20 us).
+MAX_FILL_THREADS = 8
+MIN_ROWS_PER_FILL_THREAD = 4
+
+
 def default_num_threads() -> int:
     """llguidance's default for its mask threads: 80% of the cores, at most 32."""
     return max(1, min(32, (os.cpu_count() or 1) * 4 // 5))
@@ -422,7 +429,10 @@ class XGrammarCompiler:
             cache_enabled=True,
             cache_limit_bytes=XGRAMMAR_CACHE_LIMIT_BYTES,
         )
-        self._batch: xgrammar.BatchGrammarMatcher | None = None
+        # Mask fills: one single-threaded batched matcher per chunk of rows, the chunks on a pool.
+        self.num_fill_threads = min(MAX_FILL_THREADS, self.num_threads)
+        self._batches: list[xgrammar.BatchGrammarMatcher] = []
+        self._fill_pool: ThreadPoolExecutor | None = None
         # A text's tokens as the tokenizer writes them; None: no forced tokens (see canonical_forced_token).
         self._tokenize = tokenize
         self._forced_tokens: dict[str, int | None] = {}  # forced text: its first token (None: leave it)
@@ -508,17 +518,17 @@ class XGrammarCompiler:
                 words[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
     def fill_bitmasks(self, grammars: Sequence[tuple[XGrammarGrammar, int]], bitmask: torch.Tensor) -> None:
-        """Fills the rows of ``grammars`` (checked by the caller) on xgrammar's threads."""
+        """Fills the rows of ``grammars`` (checked by the caller), in parallel: the rows are split into
+        chunks, each filled by one single-threaded batched call on a thread of this compiler's pool
+        (xgrammar releases the GIL while it fills). On an H200's 16-core host xgrammar's own threads
+        filled 64 rows in about the time one thread takes (~20 us a row), where 2 threads of 32 rows
+        each fill them in 0.56x the time on a 2-core machine."""
         live = [(g, row) for g, row in grammars if not g._stopped and g._error is None]
         if len(live) == 1:
             live[0][0]._fill(bitmask, live[0][1])
         elif live:
-            if self._batch is None:
-                self._batch = xgrammar.BatchGrammarMatcher(max_threads=self.num_threads)
             try:
-                self._batch.batch_fill_next_token_bitmask(
-                    [g._matcher for g, _ in live], bitmask, [row for _, row in live]
-                )
+                self._fill_in_chunks(live, bitmask)
             except Exception:  # noqa: BLE001 (one by one, so that only the failing rows fail)
                 for grammar, row in live:
                     grammar._fill(bitmask, row)
@@ -529,6 +539,35 @@ class XGrammarCompiler:
         for grammar, row in grammars:
             if grammar._stopped or grammar._error is not None:
                 set_only(bitmask, row, self.eos_token_ids)
+
+    def _fill_in_chunks(self, live: list[tuple[XGrammarGrammar, int]], bitmask: torch.Tensor) -> None:
+        num_chunks = min(self.num_fill_threads, -(-len(live) // MIN_ROWS_PER_FILL_THREAD))
+        while len(self._batches) < num_chunks:
+            self._batches.append(xgrammar.BatchGrammarMatcher(max_threads=1))
+        chunks = [live[i::num_chunks] for i in range(num_chunks)]
+
+        def fill(chunk: int) -> None:
+            rows = chunks[chunk]
+            self._batches[chunk].batch_fill_next_token_bitmask(
+                [g._matcher for g, _ in rows], bitmask, [row for _, row in rows]
+            )
+
+        if num_chunks > 1 and self._fill_pool is None:
+            self._fill_pool = ThreadPoolExecutor(
+                self.num_fill_threads - 1, thread_name_prefix="xgrammar-fill"
+            )
+        others = [self._fill_pool.submit(fill, chunk) for chunk in range(1, num_chunks)]
+        try:
+            fill(0)
+        finally:
+            for other in others:
+                other.result()  # every chunk is done before the bitmask is used or refilled
+
+    def close(self) -> None:
+        """Stops the fill threads (a later fill starts them again)."""
+        if self._fill_pool is not None:
+            self._fill_pool.shutdown(wait=True)
+            self._fill_pool = None
 
 
 class XGrammarGrammar(Grammar):

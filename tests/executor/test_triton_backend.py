@@ -22,7 +22,13 @@ def _use_triton(llm: LLM) -> None:
     first = runner.attention_layers[0]
     width = runner.input_batch.block_table.shape[1]
     backend.decode_workspace = backend.kernels.DecodeWorkspace.allocate(
-        8, first.num_heads, first.num_kv_heads, first.head_dim, width * runner.block_size, "cpu"
+        8,
+        first.num_heads,
+        first.num_kv_heads,
+        first.head_dim,
+        width * runner.block_size,
+        "cpu",
+        cache_dtype=runner.kv_dtype,
     )
     for layer in runner.attention_layers:
         layer.backend = backend

@@ -133,7 +133,8 @@ def test_paged_decode_matches_reference(
         head_dim,
         tables.shape[1] * block_size,
         DEVICE,
-        config or kernels.DEFAULT_DECODE,
+        config,
+        cache_dtype=k_cache.dtype,
     )
     kernels.paged_decode_attention(
         query, k_cache, v_cache, tables, lens, scale, out=out, workspace=workspace, k_scale=scales[0],
@@ -145,6 +146,17 @@ def test_paged_decode_matches_reference(
     assert rel_error(out, ref) < _attention_tolerance(DTYPE)
     assert torch.equal(out[lens == 0], torch.zeros_like(out[lens == 0]))
     assert not workspace.counters.any(), "the fused merge must leave its counters at zero"
+
+
+def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
+    kernels = _kernels()
+    assert kernels.default_decode_config(256, 8, DTYPE) is kernels.DEFAULT_DECODE
+    assert kernels.default_decode_config(64, 8, FP8_DTYPE) is kernels.FP8_DECODE
+    assert kernels.default_decode_config(256, 8, FP8_DTYPE) is kernels.FP8_FULL_GRID_DECODE
+    # The workspace sized for the defaults of an FP8 cache covers the 32-key tiles' extra splits.
+    bf16 = kernels.DecodeWorkspace.allocate(8, 16, 8, 128, 256, DEVICE)
+    fp8 = kernels.DecodeWorkspace.allocate(8, 16, 8, 128, 256, DEVICE, cache_dtype=FP8_DTYPE)
+    assert fp8.partial_lse.numel() > bf16.partial_lse.numel()
 
 
 def test_fused_decode_splits_short_contexts_on_the_device():
