@@ -489,6 +489,77 @@ def measure_auto(tokenizer, vocab_size: int, rows: int, steps: int, threads: int
     return result
 
 
+def measure_fill_threads(tokenizer, vocab_size: int, rows: int, steps: int) -> list[dict]:
+    """--fill-threads: one step's fill of ``rows`` xgrammar matchers (the engine benchmark's schema, at
+    spread positions) through xgrammar's own threads (``BatchGrammarMatcher(max_threads=T)``) and
+    through nanoinfer's chunks (``fill_bitmasks`` with ``num_threads=T``), each with the main thread
+    idle (the fill runs on it) and on a worker thread while the main thread runs Python (what the
+    engine does: the GIL is then handed over only when the main thread lets it go), with Python's
+    default switch interval and with 0.1 ms."""
+    import functools
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xgrammar
+
+    from nanoinfer.structured import GrammarCompiler, StructuredOutputsParams, allocate_token_bitmask
+
+    params = StructuredOutputsParams(json=_engine_schema())
+    generator = torch.Generator().manual_seed(0)
+    bitmask = allocate_token_bitmask(rows, vocab_size)
+    results = []
+    worker = ThreadPoolExecutor(1)
+    default_interval = sys.getswitchinterval()
+    for threads in (1, 2, 4, 8, 12, 16):
+        compiler = GrammarCompiler(tokenizer, vocab_size, num_threads=threads, backend="xgrammar")
+        grammars = [compiler.compile(params) for _ in range(rows)]
+        for warmup in range(24):
+            live = [(g, i) for i, g in enumerate(grammars) if i % 24 > warmup]
+            if live:
+                compiler.fill_bitmasks(live, bitmask)
+                tokens = _sample_allowed(bitmask, vocab_size, generator)
+                for grammar, i in live:
+                    grammar.accept_token(tokens[i])
+        pairs = [(g, i) for i, g in enumerate(grammars)]
+        own = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        fills = {
+            "xgrammar threads": functools.partial(
+                own.batch_fill_next_token_bitmask,
+                [g._matcher for g, _ in pairs],
+                bitmask,
+                [i for _, i in pairs],
+            ),
+            "nanoinfer chunks": functools.partial(compiler.fill_bitmasks, pairs, bitmask),
+        }
+        for name, fill in fills.items():
+            fill()
+            row = {"threads": threads, "fill": name}
+            started = time.perf_counter()
+            for _ in range(steps):
+                fill()
+            row["main_idle_us"] = round((time.perf_counter() - started) / steps * 1e6, 1)
+            for interval in (default_interval, 1e-4):
+                sys.setswitchinterval(interval)
+                latencies = []
+                try:
+                    for _ in range(steps):
+                        started = time.perf_counter()
+                        future = worker.submit(fill)
+                        while not future.done():  # the main thread's Python: a scheduler's loop
+                            sum(range(200))
+                        latencies.append(time.perf_counter() - started)
+                finally:
+                    sys.setswitchinterval(default_interval)
+                row[f"worker_busy_main_us_switch_{interval * 1e3:g}ms"] = round(
+                    statistics.median(latencies) * 1e6, 1
+                )
+            print(f"  {row}", flush=True)
+            results.append(row)
+        compiler.close()
+    worker.shutdown()
+    return results
+
+
 def _open_object(names: list[str]) -> dict:
     return {"type": "object", "properties": {n: {"type": "integer"} for n in names}}
 
@@ -671,6 +742,9 @@ def main() -> None:
     parser.add_argument("--result-file", default=None)
     parser.add_argument("--auto", action="store_true", help="only the auto-backend measurement")
     parser.add_argument("--limits", action="store_true", help="only the routing-limits measurement")
+    parser.add_argument(
+        "--fill-threads", action="store_true", help="only the fill's thread scaling (xgrammar's, ours)"
+    )
     parser.add_argument("--rows", type=int, default=64, help="--auto: matchers per step")
     parser.add_argument("--steps", type=int, default=100, help="--auto: steps measured")
     parser.add_argument("--threads", type=int, default=None, help="--auto, --limits: GrammarCompiler's")
@@ -678,6 +752,16 @@ def main() -> None:
     backend_names = args.backends.split(",")
     with tempfile.TemporaryDirectory() as scratch:
         tokenizers = load_tokenizers(args.tokenizers.split(","), scratch)
+        if args.fill_threads:
+            name = list(tokenizers)[-1]
+            result = {"tokenizer": name, "cores": os.cpu_count(), "rows": args.rows}
+            print(f"mask fill threads, {args.rows} rows, {name} tokenizer:")
+            result["fill_threads"] = measure_fill_threads(
+                tokenizers[name], TOKENIZER_VOCAB[name], args.rows, args.steps
+            )
+            if args.result_file:
+                Path(args.result_file).write_text(json.dumps(result, indent=2) + "\n")
+            return
         if args.auto or args.limits:
             name = list(tokenizers)[-1]
             vocab_size = TOKENIZER_VOCAB[name]

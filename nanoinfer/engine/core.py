@@ -6,19 +6,16 @@ schedules and launches step n+1, then waits for step n and turns its result into
 host's work for one step overlaps the device's for the other. Step n+1's input for a decoding request is
 step n's sampled token, which stays on the device. A request that step n finished has a row in step
 n+1 that is wasted: its token is dropped. A step with structured-outputs rows is launched with its
-sampling deferred; its bitmask is filled on a worker thread while the caller handles step n's outputs
-and the next call schedules and prepares step n+2, which then launches step n+1's sampling and step
-n+2's forward pass back to back (see engine/structured_outputs.py).
+sampling deferred; the next call schedules and prepares step n+2, then fills the bitmask and launches
+step n+1's sampling and step n+2's forward pass back to back (see engine/structured_outputs.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -26,15 +23,11 @@ from nanoinfer.config import EngineConfig
 from nanoinfer.engine.kv_cache_manager import KVCacheManager
 from nanoinfer.engine.request import EngineRequest
 from nanoinfer.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
-from nanoinfer.engine.structured_outputs import GrammarBitmask, StructuredOutputManager
+from nanoinfer.engine.structured_outputs import StructuredOutputManager
 from nanoinfer.executor.model_runner import StepHandle
 from nanoinfer.models.checkpoint import load_tokenizer
 
-if TYPE_CHECKING:
-    from nanoinfer.structured.backend import Grammar
-
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass
@@ -70,8 +63,6 @@ class EngineCore:
             lambda: tokenizer if tokenizer is not None else load_tokenizer(config.model, config.tokenizer),
         )
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
-        # The in-flight step's bitmask, being filled while the next step is scheduled and prepared.
-        self._pending_bitmask: Future[GrammarBitmask] | None = None
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         logger.info(
@@ -110,27 +101,21 @@ class EngineCore:
                 return EngineCoreOutputs()
             handle = self.executor.launch(out, prepared, defer_sampling=bool(out.structured_rows))
             if out.structured_rows:
-                self.executor.sample(handle, self._bitmask(out, self.structured_outputs.bitmask))
+                self._sample_structured(out, handle)
             return self._finish_step(out, handle)
         previous, self._in_flight = self._in_flight, None
-        if self._pending_bitmask is not None:
+        if previous is not None and previous[1].deferred is not None:
             # The previous step's sampling waited for its bitmask; its tokens are this step's inputs.
-            pending, self._pending_bitmask = self._pending_bitmask, None
-            self.executor.sample(previous[1], self.structured_outputs.wait(pending))
+            self._sample_structured(*previous)
         handle = None
         if prepared is not None:
             handle = self.executor.launch(out, prepared, defer_sampling=bool(out.structured_rows))
             self._in_flight = (out, handle)
         # The previous step's tokens advance the grammars that this step's bitmask is made from.
-        outputs = self._finish_step(*previous) if previous is not None else EngineCoreOutputs()
-        if handle is not None and out.structured_rows:
-            self._pending_bitmask = self._bitmask(out, self.structured_outputs.start_bitmask)
-            if self._pending_bitmask is None:
-                self.executor.sample(handle, None)
-        return outputs
+        return self._finish_step(*previous) if previous is not None else EngineCoreOutputs()
 
-    def _bitmask(self, out: SchedulerOutput, fill: Callable[[list[tuple[int, Grammar]]], T]) -> T | None:
-        """``fill`` of the step's constrained rows; None when none is left."""
+    def _sample_structured(self, out: SchedulerOutput, handle: StepHandle) -> None:
+        """Fills the bitmask of a step whose constrained rows waited for it and launches its sampling."""
         requests = self.scheduler.requests
         grammars = []
         for row in out.structured_rows:
@@ -138,7 +123,7 @@ class EngineCore:
             request = requests.get(out.scheduled[row].request_id)
             if request is not None:
                 grammars.append((row, request.grammar))
-        return fill(grammars) if grammars else None
+        self.executor.sample(handle, self.structured_outputs.bitmask(grammars) if grammars else None)
 
     def _finish_step(self, out: SchedulerOutput, handle: StepHandle) -> EngineCoreOutputs:
         result = handle.result()
@@ -155,13 +140,11 @@ class EngineCore:
         stats["num_generated_tokens"] = self.num_generated_tokens
         stats["structured_mask_steps"] = self.structured_outputs.num_mask_steps
         stats["structured_mask_us"] = round(self.structured_outputs.mask_seconds * 1e6)
-        stats["structured_mask_wait_us"] = round(self.structured_outputs.mask_wait_seconds * 1e6)
         return stats
 
     def close(self) -> None:
         """Stops the executor (and its tensor-parallel workers); the core is unusable afterwards."""
         self._in_flight = None
-        self._pending_bitmask = None
         self.structured_outputs.close()
         if self.executor is not None:
             self.executor.close()

@@ -2,19 +2,20 @@
 step's token bitmask of its constrained rows.
 
 The bitmask of step n+1 depends on the token step n samples. The core therefore launches step n+1's
-forward pass with its sampling deferred, waits for step n's tokens and advances the matchers with them,
-and starts filling step n+1's bitmask on a worker thread (:meth:`StructuredOutputManager.start_bitmask`:
-the grammar libraries release the GIL while they fill). The engine's thread meanwhile returns step n's
-outputs, and in its next step schedules and prepares step n+2; only then does it wait for the bitmask,
-launch step n+1's sampling with it (``Executor.sample``) and, right behind it, step n+2's forward pass.
-Without async scheduling the bitmask is filled on the engine's thread, within one step.
+forward pass with its sampling deferred and waits for step n's tokens, which advance the matchers. With
+async scheduling it then returns step n's outputs, and in its next step schedules and prepares step n+2
+before it fills step n+1's bitmask, launches step n+1's sampling with it (``Executor.sample``) and, right
+behind it, step n+2's forward pass: the device runs step n+1's forward pass meanwhile. The fill runs on
+the engine's thread (on the grammar libraries' threads while it waits): on a thread of its own it would
+wait for the GIL, which a busy engine thread hands over only every few milliseconds
+(benchmarks/structured_backends.py --fill-threads). Without async scheduling the same order holds within
+one step.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,12 +62,9 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self._buffer: torch.Tensor | None = None
         self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
-        self._filler: ThreadPoolExecutor | None = None
-        # For the structured-outputs benchmark: time spent filling bitmasks, and the part of it that
-        # the engine's thread waited for.
+        # For the structured-outputs benchmark: time spent filling bitmasks.
         self.num_mask_steps = 0
         self.mask_seconds = 0.0
-        self.mask_wait_seconds = 0.0
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -85,26 +83,17 @@ class StructuredOutputManager:
         return self.compiler.compile(params)
 
     def bitmask(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
-        """The bitmask of (scheduled row, matcher) pairs, filled on the grammar libraries' threads."""
-        return self._fill(grammars, self._take_buffer(grammars))
-
-    def start_bitmask(self, grammars: list[tuple[int, Grammar]]) -> Future[GrammarBitmask]:
-        """:meth:`bitmask` on a worker thread. The matchers must not be advanced until it is done."""
-        if self._filler is None:
-            self._filler = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-bitmask")
-        return self._filler.submit(self._fill, grammars, self._take_buffer(grammars))
-
-    def wait(self, bitmask: Future[GrammarBitmask]) -> GrammarBitmask:
+        """The bitmask of (scheduled row, matcher) pairs, filled on the grammar libraries' threads while
+        this thread waits (it holds no GIL then, so they get it at once to start and to finish)."""
         started = time.perf_counter()
-        result = bitmask.result()
-        self.mask_wait_seconds += time.perf_counter() - started
+        result = self._take_buffer(grammars)
+        self.compiler.fill_bitmasks([(grammar, i) for i, (_, grammar) in enumerate(grammars)], result.bitmask)
+        self.num_mask_steps += 1
+        self.mask_seconds += time.perf_counter() - started
         return result
 
     def close(self) -> None:
-        """Lets a fill in progress end and stops the worker threads."""
-        if self._filler is not None:
-            self._filler.shutdown(wait=True)
-            self._filler = None
+        """Stops the grammar libraries' fill threads."""
         if self._compiler is not None:
             self._compiler.close()
 
@@ -125,10 +114,3 @@ class StructuredOutputManager:
             )
         self._last = GrammarBitmask([row for row, _ in grammars], self._buffer[:num_rows])
         return self._last
-
-    def _fill(self, grammars: list[tuple[int, Grammar]], result: GrammarBitmask) -> GrammarBitmask:
-        started = time.perf_counter()
-        self.compiler.fill_bitmasks([(grammar, i) for i, (_, grammar) in enumerate(grammars)], result.bitmask)
-        self.num_mask_steps += 1
-        self.mask_seconds += time.perf_counter() - started
-        return result
