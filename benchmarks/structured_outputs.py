@@ -97,7 +97,7 @@ class PhaseTimes:
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(core.executor, "prepare", "prepare inputs")
         self._wrap(core.executor, "launch", "launch forward")
-        self._wrap(core.executor, "sample", "fill + launch deferred sampling")
+        self._wrap(core.executor, "sample", "launch deferred sampling")
         self._wrap(core.structured_outputs, "bitmask", "fill bitmask")
         self._wrap(core.scheduler, "update_from_output", "update (grammars advance)")
         self._result = StepHandle.result
