@@ -145,7 +145,6 @@ class EngineCore:
     def close(self) -> None:
         """Stops the executor (and its tensor-parallel workers); the core is unusable afterwards."""
         self._in_flight = None
-        self.structured_outputs.close()
         if self.executor is not None:
             self.executor.close()
             self.executor = None

@@ -83,19 +83,13 @@ class StructuredOutputManager:
         return self.compiler.compile(params)
 
     def bitmask(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
-        """The bitmask of (scheduled row, matcher) pairs, filled on the grammar libraries' threads while
-        this thread waits (it holds no GIL then, so they get it at once to start and to finish)."""
+        """The bitmask of (scheduled row, matcher) pairs, filled on the grammar libraries' threads."""
         started = time.perf_counter()
         result = self._take_buffer(grammars)
         self.compiler.fill_bitmasks([(grammar, i) for i, (_, grammar) in enumerate(grammars)], result.bitmask)
         self.num_mask_steps += 1
         self.mask_seconds += time.perf_counter() - started
         return result
-
-    def close(self) -> None:
-        """Stops the grammar libraries' fill threads."""
-        if self._compiler is not None:
-            self._compiler.close()
 
     def _take_buffer(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
         """The next bitmask, in the one buffer. Its previous bitmask's copy to the GPU came before the

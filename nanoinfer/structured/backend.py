@@ -314,11 +314,6 @@ class GrammarCompiler:
             logger.debug("structured outputs: xgrammar did not compile this schema (%s): llguidance", message)
             return None
 
-    def close(self) -> None:
-        """Stops xgrammar's fill threads, if it has started them."""
-        if self._xgrammar is not None:
-            self._xgrammar.close()
-
     @property
     def xgrammar(self) -> XGrammarCompiler | None:
         """xgrammar's compiler for this tokenizer, built on first use; None (with a warning, once) where

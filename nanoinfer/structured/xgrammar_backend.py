@@ -24,11 +24,9 @@ Threads: as llguidance's, a matcher may be used from any thread but by one at a 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -371,10 +369,10 @@ def fix_strings(ebnf: str) -> str:
 # -- compiler and matcher ------------------------------------------------------------------------------------
 
 
-# Mask-fill parallelism: at most this many threads, each with at least this many rows (a thread for
-# fewer rows costs about what it saves: one row takes about 20 us).
+# xgrammar's threads for a batched mask fill. On the H200's 16-core host (benchmarks/structured_backends.py
+# --fill-threads, 64 rows of the engine benchmark's schema): 1482 us with 1 thread, 927 with 2, 682 with
+# 4, 607 with 8, 696 with 12, 855 with 16.
 MAX_FILL_THREADS = 8
-MIN_ROWS_PER_FILL_THREAD = 4
 
 
 def default_num_threads() -> int:
@@ -430,10 +428,8 @@ class XGrammarCompiler:
             cache_enabled=True,
             cache_limit_bytes=XGRAMMAR_CACHE_LIMIT_BYTES,
         )
-        # Mask fills: one single-threaded batched matcher per chunk of rows, the chunks on a pool.
         self.num_fill_threads = min(MAX_FILL_THREADS, self.num_threads)
-        self._batches: list[xgrammar.BatchGrammarMatcher] = []
-        self._fill_pool: ThreadPoolExecutor | None = None
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
         # A text's tokens as the tokenizer writes them; None: no forced tokens (see canonical_forced_token).
         self._tokenize = tokenize
         self._forced_tokens: dict[str, int | None] = {}  # forced text: its first token (None: leave it)
@@ -519,17 +515,17 @@ class XGrammarCompiler:
                 words[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
     def fill_bitmasks(self, grammars: Sequence[tuple[XGrammarGrammar, int]], bitmask: torch.Tensor) -> None:
-        """Fills the rows of ``grammars`` (checked by the caller), in parallel: the rows are split into
-        chunks, each filled by one single-threaded batched call on a thread of this compiler's pool
-        (xgrammar releases the GIL while it fills). xgrammar's own threads filled 64 rows in about the
-        time one thread takes (~20 us a row: 1.1 ms per engine step on the H200's 16-core host; on a
-        2-core machine 1.11 ms with 2 threads against 0.64 ms for 2 chunks)."""
+        """Fills the rows of ``grammars`` (checked by the caller) on xgrammar's threads."""
         live = [(g, row) for g, row in grammars if not g._stopped and g._error is None]
         if len(live) == 1:
             live[0][0]._fill(bitmask, live[0][1])
         elif live:
+            if self._batch is None:
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads=self.num_fill_threads)
             try:
-                self._fill_in_chunks(live, bitmask)
+                self._batch.batch_fill_next_token_bitmask(
+                    [g._matcher for g, _ in live], bitmask, [row for _, row in live]
+                )
             except Exception:  # noqa: BLE001 (one by one, so that only the failing rows fail)
                 for grammar, row in live:
                     grammar._fill(bitmask, row)
@@ -540,38 +536,6 @@ class XGrammarCompiler:
         for grammar, row in grammars:
             if grammar._stopped or grammar._error is not None:
                 set_only(bitmask, row, self.eos_token_ids)
-
-    def _fill_in_chunks(self, live: list[tuple[XGrammarGrammar, int]], bitmask: torch.Tensor) -> None:
-        """Chunk 0 on this thread, the others on the pool: each is one call that releases the GIL, so the
-        pool's threads need it only to start and to end, while this thread is in its own call or waits."""
-        num_chunks = min(self.num_fill_threads, -(-len(live) // MIN_ROWS_PER_FILL_THREAD))
-        while len(self._batches) < num_chunks:
-            self._batches.append(xgrammar.BatchGrammarMatcher(max_threads=1))
-        calls = [
-            functools.partial(
-                self._batches[chunk].batch_fill_next_token_bitmask,
-                [g._matcher for g, _ in live[chunk::num_chunks]],
-                bitmask,
-                [row for _, row in live[chunk::num_chunks]],
-            )
-            for chunk in range(num_chunks)
-        ]
-        if num_chunks > 1 and self._fill_pool is None:
-            self._fill_pool = ThreadPoolExecutor(
-                self.num_fill_threads - 1, thread_name_prefix="xgrammar-fill"
-            )
-        others = [self._fill_pool.submit(call) for call in calls[1:]]
-        try:
-            calls[0]()
-        finally:
-            for other in others:
-                other.result()  # every chunk is done before the bitmask is used or refilled
-
-    def close(self) -> None:
-        """Stops the fill threads (a later fill starts them again)."""
-        if self._fill_pool is not None:
-            self._fill_pool.shutdown(wait=True)
-            self._fill_pool = None
 
 
 class XGrammarGrammar(Grammar):

@@ -258,33 +258,6 @@ def test_fill_bitmasks_of_both_kinds_at_once(tiny):
     assert unpack_bitmask(batched, TINY_VOCAB)[2].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
 
 
-def test_fill_bitmasks_in_parallel_chunks_equals_one_by_one(tiny_compilers):
-    """Rows are filled in chunks on a pool of threads: the same masks as one row at a time."""
-    tokenizer, _ = tiny_compilers
-    compiler = GrammarCompiler(tokenizer, TINY_VOCAB, backend="xgrammar", num_threads=4)
-    try:
-        tokens = tokenizer.encode(VALID_TEXT, add_special_tokens=False)
-        grammars = []
-        for i in range(23):
-            grammar = compiler.compile(StructuredOutputsParams(json=SCHEMA))
-            for token in tokens[: (i * 5) % len(tokens)]:
-                assert grammar.accept_token(token)
-            grammars.append(grammar)
-        assert compiler.xgrammar.num_fill_threads == 4
-        rows = list(range(24, 1, -1))
-        for _ in range(2):  # the second time on the pool's threads started by the first
-            batched = allocate_token_bitmask(25, TINY_VOCAB)
-            compiler.fill_bitmasks(list(zip(grammars, rows, strict=True)), batched)
-            single = allocate_token_bitmask(25, TINY_VOCAB)
-            for grammar, row in zip(grammars, rows, strict=True):
-                grammar.fill_bitmask(single, row)
-            assert torch.equal(batched, single)
-        assert len(compiler.xgrammar._batches) == 4
-    finally:
-        compiler.close()
-    assert compiler.xgrammar._fill_pool is None
-
-
 def _byte_tokens(tokenizer):
     """The tiny byte-level tokenizer's token of each byte (GPT-2's byte-to-character map)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
