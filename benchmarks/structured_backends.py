@@ -13,7 +13,7 @@ and, on the largest vocabulary, how each handles pathological schemas and regexe
 process killed after ``--timeout`` seconds): compile time, the slowest of the first 50 mask steps, or
 the error it raised. Rejecting a bad input quickly is a good outcome; freezing is the bad one.
 
-Two more modes measure nanoinfer's own ``GrammarCompiler`` on the largest vocabulary given:
+Three more modes measure nanoinfer's own ``GrammarCompiler`` on the largest vocabulary given:
 
 - ``--auto``: the engine's step for the schema of benchmarks/structured_outputs.py: ``rows`` (64)
   matchers along random walks (a finished one is replaced by a fresh one, as a new request would be),
@@ -21,12 +21,15 @@ Two more modes measure nanoinfer's own ``GrammarCompiler`` on the largest vocabu
   compile times (the first one, which builds xgrammar's tokenizer info, and then one from the cache);
 - ``--limits``: how xgrammar's compile time (cache off) grows along each dimension that
   ``xgrammar_backend.unsuitable_reason`` bounds, with the slowest mask of a short random walk and
-  where "auto" routes each schema; each case in a child process killed after ``--timeout`` seconds.
+  where "auto" routes each schema; each case in a child process killed after ``--timeout`` seconds;
+- ``--fill-threads``: one step's 64-row fill by thread count, on the calling thread and on a worker
+  thread beside a main thread that runs Python (what the GIL costs such a worker).
 
     python3 benchmarks/structured_backends.py [--tokenizers tiny,smollm2,qwen3] [--timeout 20]
         [--result-file benchmarks/results/structured_backends_cpu.json]
     python3 benchmarks/structured_backends.py --auto [--tokenizers qwen3] [--rows 64] [--steps 100]
     python3 benchmarks/structured_backends.py --limits [--tokenizers qwen3] [--threads 1]
+    QWEN3_TOKENIZER=DIR python3 benchmarks/structured_backends.py --fill-threads --tokenizers qwen3
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ The unconstrained requests ignore EOS and generate max_tokens each; the constrai
 their schema is complete (an array of 8-16 objects: hundreds of tokens) or max_tokens; a third run has
 the unconstrained requests generate as many tokens as their constrained twins did (the same shrinking
 batch: the constraint's own cost). The figures are output tokens per second of each run and the
-ratios to the constrained run (the issue's target: 0.9 or better), with the
-engine's per-step bitmask time (llguidance filling the constrained rows' masks, on the CPU while the
-device runs the forward pass).
+ratios to the constrained run (the issue's target: 0.9 or better), with the engine's per-step bitmask
+time (the grammar library filling the constrained rows' masks on the CPU while the device runs the
+forward pass); ``--profile`` adds each host phase of the engine's loop, in microseconds per step.
 
     python3 benchmarks/structured_outputs.py [--model DIR | --random-shape qwen3-0.6b --tokenizer-files DIR]
-        [--num-requests 64] [--max-tokens 512] [--result-file PATH] [engine options]
+        [--num-requests 64] [--max-tokens 512] [--profile] [--result-file PATH] [engine options]
 
 Without --model or --random-shape it runs the tiny random test model on the CPU (a smoke run).
 ``--tokenizer-files DIR`` replaces the random checkpoint's toy tokenizer with a real one (e.g. Qwen3's, from
