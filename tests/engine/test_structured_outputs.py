@@ -151,6 +151,33 @@ def test_n_completions_and_streaming_deltas_each_follow_the_constraint(llm):
     _no_leak(llm)
 
 
+def test_constrained_requests_aborted_while_their_sampling_waits_leave_the_others_intact(llm):
+    """An abort between steps may hit a request whose step is launched with its sampling deferred (the
+    bitmask comes in the next step): the survivors sample what they sample alone; nothing leaks."""
+    constraint = CHECKS["json"][0]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=50, structured_outputs=constraint)
+        for i in range(4)
+    ]
+    alone = llm.generate(PROMPTS[:2], params[:2], use_tqdm=False)
+    engine = llm.llm_engine
+    for step_to_abort in range(5):
+        for i, p in enumerate(params):
+            engine.add_request(f"s{step_to_abort}-{i}", PROMPTS[i], p)
+        for _ in range(step_to_abort):
+            engine.step()
+        engine.abort_request([f"s{step_to_abort}-{i}" for i in (2, 3)])
+        survivors = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    survivors[out.request_id] = out.outputs[0].token_ids
+        while engine.engine_core.has_unfinished_requests():
+            engine.step()
+        assert [survivors[f"s{step_to_abort}-{i}"] for i in (0, 1)] == [o.outputs[0].token_ids for o in alone]
+        _no_leak(llm)
+
+
 def test_constrained_requests_survive_preemption(tiny_qwen3):
     # 8 blocks of 16 tokens for 6 requests that each need 2-3: requests are preempted and recomputed.
     llm = LLM(tiny_qwen3, device="cpu", num_kvcache_blocks=8, kvcache_block_size=16, max_num_seqs=6)
