@@ -438,6 +438,22 @@ def _sample_allowed(bitmask: torch.Tensor, vocab_size: int, generator: torch.Gen
     return torch.multinomial(allowed, 1, generator=generator).flatten().tolist()
 
 
+def _matchers_at_spread_positions(
+    compiler, params, rows: int, vocab_size: int, bitmask: torch.Tensor, generator: torch.Generator
+) -> list:
+    """``rows`` fresh matchers of ``params``, row i advanced by i % 24 random allowed tokens (rows at
+    different positions of the output, as an engine step's rows are)."""
+    grammars = [compiler.compile(params) for _ in range(rows)]
+    for warmup in range(24):
+        live = [(g, i) for i, g in enumerate(grammars) if i % 24 > warmup]
+        if live:
+            compiler.fill_bitmasks(live, bitmask)
+            tokens = _sample_allowed(bitmask, vocab_size, generator)
+            for grammar, i in live:
+                grammar.accept_token(tokens[i])
+    return grammars
+
+
 def measure_auto(tokenizer, vocab_size: int, rows: int, steps: int, threads: int | None) -> dict:
     from nanoinfer.structured import GrammarCompiler, StructuredOutputsParams, allocate_token_bitmask
 
@@ -455,15 +471,7 @@ def measure_auto(tokenizer, vocab_size: int, rows: int, steps: int, threads: int
         cached_compile = time.perf_counter() - start
         generator = torch.Generator().manual_seed(0)
         bitmask = allocate_token_bitmask(rows, vocab_size)
-        grammars = [compiler.compile(params) for _ in range(rows)]
-        # Rows at different positions: row i takes i % 24 tokens first.
-        for warmup in range(24):
-            live = [(g, i) for i, g in enumerate(grammars) if i % 24 > warmup]
-            if live:
-                compiler.fill_bitmasks(live, bitmask)
-                tokens = _sample_allowed(bitmask, vocab_size, generator)
-                for grammar, i in live:
-                    grammar.accept_token(tokens[i])
+        grammars = _matchers_at_spread_positions(compiler, params, rows, vocab_size, bitmask, generator)
         times, finished = [], 0
         for _ in range(steps):
             start = time.perf_counter()
@@ -515,14 +523,7 @@ def measure_fill_threads(tokenizer, vocab_size: int, rows: int, steps: int) -> l
     default_interval = sys.getswitchinterval()
     for threads in (1, 2, 4, 8, 12, 16):
         compiler = GrammarCompiler(tokenizer, vocab_size, num_threads=threads, backend="xgrammar")
-        grammars = [compiler.compile(params) for _ in range(rows)]
-        for warmup in range(24):
-            live = [(g, i) for i, g in enumerate(grammars) if i % 24 > warmup]
-            if live:
-                compiler.fill_bitmasks(live, bitmask)
-                tokens = _sample_allowed(bitmask, vocab_size, generator)
-                for grammar, i in live:
-                    grammar.accept_token(tokens[i])
+        grammars = _matchers_at_spread_positions(compiler, params, rows, vocab_size, bitmask, generator)
         pairs = [(g, i) for i, g in enumerate(grammars)]
         own = xgrammar.BatchGrammarMatcher(max_threads=threads)
         fills = {

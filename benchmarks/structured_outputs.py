@@ -100,10 +100,8 @@ class PhaseTimes:
         self._wrap(core.executor, "sample", "launch deferred sampling")
         self._wrap(core.structured_outputs, "bitmask", "fill bitmask")
         self._wrap(core.scheduler, "update_from_output", "update (grammars advance)")
-        self._result = StepHandle.result
-        self._handle_class = StepHandle
-        timed = self._timed(self._result, "wait for tokens")
-        StepHandle.result = lambda handle: timed(handle)
+        self._handle_class, self._result = StepHandle, StepHandle.result
+        StepHandle.result = self._timed(self._result, "wait for tokens")
 
     def _timed(self, fn, name: str):
         def timed(*args, **kwargs):
