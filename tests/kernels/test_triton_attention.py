@@ -89,6 +89,8 @@ DECODE_CONFIGS = {
     "default": None,
     "merge_kernel": "MERGE_KERNEL_DECODE",
     "fused_small_tiles": dict(block_n=16, min_split_tiles=2),
+    "cuda_cores": dict(block_n=16, products="cuda_cores"),
+    "cuda_cores_merge_kernel": dict(mode="merge_kernel", block_n=32, products="cuda_cores"),
 }
 
 
@@ -105,6 +107,7 @@ def _decode_config(kernels, name):
 DECODE_VARIANTS = [(name, False) for name in sorted(DECODE_CONFIGS)] + [
     ("default", True),
     ("merge_kernel", True),
+    ("cuda_cores", True),
 ]
 
 
@@ -148,12 +151,13 @@ def test_paged_decode_matches_reference(
     assert not workspace.counters.any(), "the fused merge must leave its counters at zero"
 
 
-def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
+def test_default_decode_config_follows_the_cache_dtype_the_group_and_the_grid():
     kernels = _kernels()
-    assert kernels.default_decode_config(256, 8, DTYPE) is kernels.DEFAULT_DECODE
-    assert kernels.default_decode_config(64, 8, FP8_DTYPE) is kernels.FP8_DECODE
-    assert kernels.default_decode_config(256, 8, FP8_DTYPE) is kernels.FP8_FULL_GRID_DECODE
-    # The workspace sized for the defaults of an FP8 cache covers the 32-key tiles' extra splits.
+    assert kernels.default_decode_config(256, 8, 2, DTYPE) is kernels.DEFAULT_DECODE
+    assert kernels.default_decode_config(64, 8, 2, FP8_DTYPE) is kernels.FP8_CUDA_CORES_DECODE
+    assert kernels.default_decode_config(64, 8, 8, FP8_DTYPE) is kernels.FP8_DECODE
+    assert kernels.default_decode_config(256, 8, 8, FP8_DTYPE) is kernels.FP8_FULL_GRID_DECODE
+    # The workspace sized for the defaults of an FP8 cache covers its smaller tiles' extra splits.
     bf16 = kernels.DecodeWorkspace.allocate(8, 16, 8, 128, 256, DEVICE)
     fp8 = kernels.DecodeWorkspace.allocate(8, 16, 8, 128, 256, DEVICE, cache_dtype=FP8_DTYPE)
     assert fp8.partial_lse.numel() > bf16.partial_lse.numel()
