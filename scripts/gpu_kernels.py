@@ -405,6 +405,10 @@ def decode_configs(quick: bool) -> dict:
         "fused_n16_w2": K.attn.DecodeConfig(block_n=16, num_warps=2),
         "fused_n32_w1": K.attn.DecodeConfig(block_n=32, num_warps=1),
         "fused_n128_w8": K.attn.DecodeConfig(block_n=128, num_warps=8),
+        # One warp with deeper pipelines (the tensor-core variant best at 256 x 1024 against FP8).
+        "fused_n32_w1_s4": K.attn.DecodeConfig(block_n=32, num_warps=1, num_stages=4),
+        "fused_n16_w1_s4": K.attn.DecodeConfig(block_n=16, num_warps=1, num_stages=4),
+        "fused_n32_w1_s2": K.attn.DecodeConfig(block_n=32, num_warps=1, num_stages=2),
     }
     # Products on the CUDA cores (cc): tile, warps, stages (1: no prefetch of the next tile), target.
     cuda_cores = {
@@ -418,6 +422,12 @@ def decode_configs(quick: bool) -> dict:
         "cc_n64_w8_s1": dict(block_n=64, num_warps=8, num_stages=1),
         "cc_n16_w4_s2_t8": dict(block_n=16, num_stages=2, target_programs_per_sm=8),
         "cc_n16_w4_s2_merge": dict(mode="merge_kernel", block_n=16, num_stages=2),
+        # Two or three tiles prefetched: more bytes in flight per SM.
+        "cc_n16_w4_s3": dict(block_n=16, num_stages=3),
+        "cc_n16_w4_s4": dict(block_n=16, num_stages=4),
+        "cc_n16_w2_s3": dict(block_n=16, num_warps=2, num_stages=3),
+        "cc_n16_w8_s3": dict(block_n=16, num_warps=8, num_stages=3),
+        "cc_n32_w4_s3": dict(block_n=32, num_stages=3),
     }
     for name, spec in cuda_cores.items():
         configs[name] = K.attn.DecodeConfig(products="cuda_cores", **spec)

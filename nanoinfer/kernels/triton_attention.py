@@ -82,8 +82,9 @@ DEFAULT_DECODE = DecodeConfig()
 FP8_DECODE = DecodeConfig(block_n=32)
 FP8_FULL_GRID_DECODE = DecodeConfig(block_n=32, num_warps=1)
 _FULL_GRID_PROGRAMS_PER_SM = 12
-# Small GQA groups against an FP8 cache: products on the CUDA cores, the next tile prefetched.
-FP8_CUDA_CORES_DECODE = DecodeConfig(block_n=16, num_stages=2, products="cuda_cores")
+# Small GQA groups against an FP8 cache, once the grid is full: products on the CUDA cores, two tiles
+# prefetched.
+FP8_CUDA_CORES_DECODE = DecodeConfig(block_n=16, num_stages=3, products="cuda_cores")
 _CUDA_CORES_MAX_GROUP = 4
 
 
@@ -408,31 +409,43 @@ def _decode_range_cuda_cores(
     """``_decode_range`` with the products on the CUDA cores, for small GQA groups (a tensor-core tile
     has 16 rows, of which a group of 2 fills 2). Each of the tile's BLOCK_N key slots keeps its own
     running max, sum and output rows, merged once at the end: inside the loop the only reduction is the
-    dot product over head_dim (threads of one warp), never one across the tile's keys. ``PREFETCH``:
-    the next tile's loads are issued before this tile's arithmetic (Triton pipelines only loads that
-    feed a tl.dot)."""
+    dot product over head_dim (threads of one warp), never one across the tile's keys. ``PREFETCH``
+    (0-3): how many tiles ahead the loads are issued, so that they are in flight during this tile's
+    arithmetic (Triton pipelines only loads that feed a tl.dot; here the bytes in flight per SM, not
+    the arithmetic, bound an FP8 cache's tiles)."""
     q = q.to(tl.float32)[:, None, :]
     m_s = tl.full([BLOCK_G, BLOCK_N], float("-inf"), dtype=tl.float32)
     l_s = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if PREFETCH:
-        k, v = _kv_tile_3d(
+    # The prefetched tiles: k0/v0 is the one used next, k1/v1 the one after, ...
+    if PREFETCH >= 1:
+        k0, v0 = _kv_tile_3d(
             k_head, v_head, table_row, start, end, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
             BLOCK_SIZE, HEAD_DIM, BLOCK_N,
         )  # fmt: skip
+    if PREFETCH >= 2:
+        k1, v1 = _kv_tile_3d(
+            k_head, v_head, table_row, start + BLOCK_N, end, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+        )  # fmt: skip
+    if PREFETCH >= 3:
+        k2, v2 = _kv_tile_3d(
+            k_head, v_head, table_row, start + 2 * BLOCK_N, end, stride_kcb, stride_kcs, stride_vcb,
+            stride_vcs, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+        )  # fmt: skip
     for tile_start in range(start, end, BLOCK_N):
-        if PREFETCH:
-            k_next, v_next = _kv_tile_3d(
-                k_head, v_head, table_row, tile_start + BLOCK_N, end, stride_kcb, stride_kcs, stride_vcb,
-                stride_vcs, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            )  # fmt: skip
-        else:
-            k, v = _kv_tile_3d(
+        if PREFETCH == 0:
+            k0, v0 = _kv_tile_3d(
                 k_head, v_head, table_row, tile_start, end, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                 BLOCK_SIZE, HEAD_DIM, BLOCK_N,
             )  # fmt: skip
+        else:
+            k_last, v_last = _kv_tile_3d(
+                k_head, v_head, table_row, tile_start + PREFETCH * BLOCK_N, end, stride_kcb, stride_kcs,
+                stride_vcb, stride_vcs, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+            )  # fmt: skip
         token_mask = tile_start + tl.arange(0, BLOCK_N) < end
-        scores = tl.sum(q * k.to(tl.float32), axis=2) * qk_scale
+        scores = tl.sum(q * k0.to(tl.float32), axis=2) * qk_scale
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_s, scores)
         # A slot that has seen no key yet (a range shorter than the tile) stays at -inf, weight 0.
@@ -440,10 +453,14 @@ def _decode_range_cuda_cores(
         alpha = tl.exp2(m_s - m_safe)
         p = tl.exp2(scores - m_safe)
         l_s = l_s * alpha + p
-        acc = acc * alpha[:, :, None] + p[:, :, None] * v.to(tl.float32)
+        acc = acc * alpha[:, :, None] + p[:, :, None] * v0.to(tl.float32)
         m_s = m_new
-        if PREFETCH:
-            k, v = k_next, v_next
+        if PREFETCH == 1:
+            k0, v0 = k_last, v_last
+        elif PREFETCH == 2:
+            k0, v0, k1, v1 = k1, v1, k_last, v_last
+        elif PREFETCH == 3:
+            k0, v0, k1, v1, k2, v2 = k1, v1, k2, v2, k_last, v_last
     m_i = tl.max(m_s, axis=1)
     weights = tl.exp2(m_s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
     l_i = tl.sum(l_s * weights, axis=1)
@@ -544,7 +561,7 @@ def _decode_kernel(
     MODE: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
     CUDA_CORES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -601,7 +618,7 @@ def _decode_kernel(
                 HEAD_DIM,
                 BLOCK_G,
                 BLOCK_N,
-                NUM_STAGES > 1,
+                PREFETCH,
             )
         else:
             acc, m_i, l_i = _decode_range(
@@ -694,8 +711,8 @@ def default_decode_config(
 ) -> DecodeConfig:
     """The configuration ``paged_decode_attention`` uses when it is given none (``group``: query heads
     per kv head)."""
-    if cache_dtype != FP8_DTYPE:
-        return DEFAULT_DECODE
+    if cache_dtype != FP8_DTYPE or batch * num_kv_heads < _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
+        return MERGE_KERNEL_DECODE
     if group <= _CUDA_CORES_MAX_GROUP:
         return FP8_CUDA_CORES_DECODE
     if batch * num_kv_heads >= _FULL_GRID_PROGRAMS_PER_SM * num_sms:
@@ -891,7 +908,8 @@ def _launch_decode(
         MODE=mode,
         MIN_SPLIT_TILES=config.min_split_tiles,
         CUDA_CORES=cuda_cores,
-        NUM_STAGES=config.num_stages,
+        # On the CUDA cores, num_stages - 1 tiles are prefetched (at most 3).
+        PREFETCH=min(config.num_stages - 1, 3) if cuda_cores else 0,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
