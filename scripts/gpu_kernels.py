@@ -405,34 +405,10 @@ def decode_configs(quick: bool) -> dict:
         "fused_n16_w2": K.attn.DecodeConfig(block_n=16, num_warps=2),
         "fused_n32_w1": K.attn.DecodeConfig(block_n=32, num_warps=1),
         "fused_n128_w8": K.attn.DecodeConfig(block_n=128, num_warps=8),
-        # One warp with deeper pipelines (the tensor-core variant best at 256 x 1024 against FP8).
-        "fused_n32_w1_s4": K.attn.DecodeConfig(block_n=32, num_warps=1, num_stages=4),
-        "fused_n16_w1_s4": K.attn.DecodeConfig(block_n=16, num_warps=1, num_stages=4),
         "fused_n32_w1_s2": K.attn.DecodeConfig(block_n=32, num_warps=1, num_stages=2),
+        "fused_n16_w1_s4": K.attn.DecodeConfig(block_n=16, num_warps=1, num_stages=4),
     }
-    # Products on the CUDA cores (cc): tile, warps, stages (1: no prefetch of the next tile), target.
-    cuda_cores = {
-        "cc_n16_w4_s2": dict(block_n=16, num_stages=2),
-        "cc_n16_w4_s1": dict(block_n=16, num_stages=1),
-        "cc_n16_w8_s2": dict(block_n=16, num_warps=8, num_stages=2),
-        "cc_n32_w8_s2": dict(block_n=32, num_warps=8, num_stages=2),
-        "cc_n32_w8_s1": dict(block_n=32, num_warps=8, num_stages=1),
-        "cc_n32_w4_s1": dict(block_n=32, num_stages=1),
-        "cc_n16_w2_s1": dict(block_n=16, num_warps=2, num_stages=1),
-        "cc_n64_w8_s1": dict(block_n=64, num_warps=8, num_stages=1),
-        "cc_n16_w4_s2_t8": dict(block_n=16, num_stages=2, target_programs_per_sm=8),
-        "cc_n16_w4_s2_merge": dict(mode="merge_kernel", block_n=16, num_stages=2),
-        # Two or three tiles prefetched: more bytes in flight per SM.
-        "cc_n16_w4_s3": dict(block_n=16, num_stages=3),
-        "cc_n16_w4_s4": dict(block_n=16, num_stages=4),
-        "cc_n16_w2_s3": dict(block_n=16, num_warps=2, num_stages=3),
-        "cc_n16_w8_s3": dict(block_n=16, num_warps=8, num_stages=3),
-        "cc_n32_w4_s3": dict(block_n=32, num_stages=3),
-    }
-    for name, spec in cuda_cores.items():
-        configs[name] = K.attn.DecodeConfig(products="cuda_cores", **spec)
-    quick_names = ("merge_kernel", "fused", "fused_n32", "cc_n16_w4_s2")
-    return {k: configs[k] for k in quick_names} if quick else configs
+    return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32")} if quick else configs
 
 
 def check_decode(
@@ -612,10 +588,9 @@ def run_decode_correctness(gen, quick):
     # Every shape through the two schemes; the other variants (timed at head_dim 128, block 16) on the
     # timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
     for name, config in configs.items():
-        every_shape = name in ("merge_kernel", "fused", "cc_n16_w4_s2")
-        for shape in shapes if every_shape else (shapes[0], shapes[1], shapes[6]):
+        for shape in shapes if name in ("merge_kernel", "fused") else (shapes[0], shapes[1], shapes[6]):
             check_decode(gen, *shape, name, config)
-    for name in ("merge_kernel", "fused", "cc_n16_w4_s2"):
+    for name in ("merge_kernel", "fused"):
         for shape in shapes[:4]:
             check_decode(gen, *shape, name, configs[name], fp8=True)
         check_decode_graph(gen, name, configs[name])
@@ -916,9 +891,7 @@ def time_decode(gen, quick):
                     wide.seq_lens,
                     HEAD_DIM**-0.5,
                 )
-                for name in ("merge_kernel", "fused", "cc_n16_w4_s2", "cc_n16_w4_s2_merge"):
-                    if name not in configs:
-                        continue
+                for name in ("merge_kernel", "fused"):
                     fn = partial(
                         K.attn.paged_decode_attention,
                         *wide_args,

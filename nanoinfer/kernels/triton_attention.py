@@ -43,9 +43,7 @@ class DecodeConfig:
     length, at least ``min_split_tiles`` key tiles per split, and a sequence that needs one split
     writes its output directly) or ``"merge_kernel"`` (the earlier scheme: every grid split writes a
     partial and a second kernel merges them). The grid's split count aims at
-    ``target_programs_per_sm`` programs per SM, at most ``max_splits``. ``products``: where the query-key
-    and probability-value products run, ``"tensor_cores"`` (tl.dot tiles of at least 16 query rows) or
-    ``"cuda_cores"`` (only the GQA group's own rows; registers grow with group x block_n x head_dim).
+    ``target_programs_per_sm`` programs per SM, at most ``max_splits``.
     """
 
     mode: str = "fused"
@@ -55,15 +53,10 @@ class DecodeConfig:
     min_split_tiles: int = 1
     target_programs_per_sm: int = 4
     max_splits: int = 64
-    products: str = "tensor_cores"
 
     def __post_init__(self) -> None:
         if self.mode not in ("fused", "merge_kernel"):
             raise ValueError(f"DecodeConfig.mode must be 'fused' or 'merge_kernel', got {self.mode!r}")
-        if self.products not in ("tensor_cores", "cuda_cores"):
-            raise ValueError(
-                f"DecodeConfig.products must be 'tensor_cores' or 'cuda_cores', got {self.products!r}"
-            )
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
         for name in ("num_warps", "num_stages", "min_split_tiles", "target_programs_per_sm", "max_splits"):
@@ -77,15 +70,12 @@ class DecodeConfig:
 MERGE_KERNEL_DECODE = DecodeConfig(mode="merge_kernel")
 DEFAULT_DECODE = DecodeConfig()
 # Against an FP8 cache (H200, Qwen3-0.6B shape, docs/benchmarks.md): 32-key tiles beat 64-key ones (66
-# against 76 us at batch 64 x 1024), and once the grid is full one warp per program beats four (219
-# against 248 us at 256 x 1024; 4 warps stay better at batch 64: 66 against 86 us).
+# against 76 us at batch 64 x 1024), and once the grid is full one warp per program with two pipeline
+# stages beats four warps (209 against 248 us at 256 x 1024; 4 warps stay better at batch 64: 66
+# against 79 us).
 FP8_DECODE = DecodeConfig(block_n=32)
-FP8_FULL_GRID_DECODE = DecodeConfig(block_n=32, num_warps=1)
+FP8_FULL_GRID_DECODE = DecodeConfig(block_n=32, num_warps=1, num_stages=2)
 _FULL_GRID_PROGRAMS_PER_SM = 12
-# Small GQA groups against an FP8 cache, once the grid is full: products on the CUDA cores, two tiles
-# prefetched.
-FP8_CUDA_CORES_DECODE = DecodeConfig(block_n=16, num_stages=3, products="cuda_cores")
-_CUDA_CORES_MAX_GROUP = 4
 
 
 @dataclass(frozen=True)
@@ -361,113 +351,6 @@ def _decode_range(
 
 
 @triton.jit
-def _kv_tile_3d(
-    k_head, v_head, table_row, tile_start, end, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Keys and values of tokens [tile_start, tile_start + BLOCK_N) (zeros past ``end``) as
-    [1, BLOCK_N, HEAD_DIM]: in that shape the loads' layout (head_dim across the lanes of a warp) is
-    the one every product and sum of ``_decode_range_cuda_cores`` runs in, so its loop converts no
-    layout."""
-    tokens = tile_start + tl.arange(0, BLOCK_N)
-    token_mask = tokens < end
-    block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-    offsets = tokens % BLOCK_SIZE
-    dims = tl.arange(0, HEAD_DIM)
-    k = tl.load(
-        k_head + (block_ids * stride_kcb + offsets * stride_kcs)[None, :, None] + dims[None, None, :],
-        mask=token_mask[None, :, None],
-        other=0.0,
-    )
-    v = tl.load(
-        v_head + (block_ids * stride_vcb + offsets * stride_vcs)[None, :, None] + dims[None, None, :],
-        mask=token_mask[None, :, None],
-        other=0.0,
-    )
-    return k, v
-
-
-@triton.jit
-def _decode_range_cuda_cores(
-    q,
-    k_head,
-    v_head,
-    table_row,
-    start,
-    end,
-    qk_scale,
-    stride_kcb,
-    stride_kcs,
-    stride_vcb,
-    stride_vcs,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """``_decode_range`` with the products on the CUDA cores, for small GQA groups (a tensor-core tile
-    has 16 rows, of which a group of 2 fills 2). Each of the tile's BLOCK_N key slots keeps its own
-    running max, sum and output rows, merged once at the end: inside the loop the only reduction is the
-    dot product over head_dim (threads of one warp), never one across the tile's keys. ``PREFETCH``
-    (0-3): how many tiles ahead the loads are issued, so that they are in flight during this tile's
-    arithmetic (Triton pipelines only loads that feed a tl.dot; here the bytes in flight per SM, not
-    the arithmetic, bound an FP8 cache's tiles)."""
-    q = q.to(tl.float32)[:, None, :]
-    m_s = tl.full([BLOCK_G, BLOCK_N], float("-inf"), dtype=tl.float32)
-    l_s = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    # The prefetched tiles: k0/v0 is the one used next, k1/v1 the one after, ...
-    if PREFETCH >= 1:
-        k0, v0 = _kv_tile_3d(
-            k_head, v_head, table_row, start, end, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-        )  # fmt: skip
-    if PREFETCH >= 2:
-        k1, v1 = _kv_tile_3d(
-            k_head, v_head, table_row, start + BLOCK_N, end, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-        )  # fmt: skip
-    if PREFETCH >= 3:
-        k2, v2 = _kv_tile_3d(
-            k_head, v_head, table_row, start + 2 * BLOCK_N, end, stride_kcb, stride_kcs, stride_vcb,
-            stride_vcs, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-        )  # fmt: skip
-    for tile_start in range(start, end, BLOCK_N):
-        if PREFETCH == 0:
-            k0, v0 = _kv_tile_3d(
-                k_head, v_head, table_row, tile_start, end, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-                BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            )  # fmt: skip
-        else:
-            k_last, v_last = _kv_tile_3d(
-                k_head, v_head, table_row, tile_start + PREFETCH * BLOCK_N, end, stride_kcb, stride_kcs,
-                stride_vcb, stride_vcs, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            )  # fmt: skip
-        token_mask = tile_start + tl.arange(0, BLOCK_N) < end
-        scores = tl.sum(q * k0.to(tl.float32), axis=2) * qk_scale
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_s, scores)
-        # A slot that has seen no key yet (a range shorter than the tile) stays at -inf, weight 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_s - m_safe)
-        p = tl.exp2(scores - m_safe)
-        l_s = l_s * alpha + p
-        acc = acc * alpha[:, :, None] + p[:, :, None] * v0.to(tl.float32)
-        m_s = m_new
-        if PREFETCH == 1:
-            k0, v0 = k_last, v_last
-        elif PREFETCH == 2:
-            k0, v0, k1, v1 = k1, v1, k_last, v_last
-        elif PREFETCH == 3:
-            k0, v0, k1, v1, k2, v2 = k1, v1, k2, v2, k_last, v_last
-    m_i = tl.max(m_s, axis=1)
-    weights = tl.exp2(m_s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-    l_i = tl.sum(l_s * weights, axis=1)
-    return tl.sum(acc * weights[:, :, None], axis=1), m_i, l_i
-
-
-@triton.jit
 def _merge_partials(
     partial_out_ptr, partial_lse_ptr, part_rows, split_mask, HEAD_DIM: tl.constexpr, BYPASS_L1: tl.constexpr
 ):
@@ -560,16 +443,13 @@ def _decode_kernel(
     BLOCK_S: tl.constexpr,
     MODE: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
-    CUDA_CORES: tl.constexpr,
-    PREFETCH: tl.constexpr,
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program = one (sequence, kv head, split): the query heads sharing that kv head are the rows
-    of one tl.dot tile (or, with CUDA_CORES, of the products on the CUDA cores). A split either writes
-    the normalised output directly (the only split of its sequence) or its normalised partial output
-    and log2-sum-exp for the merge."""
+    of one tl.dot tile. A split either writes the normalised output directly (the only split of its
+    sequence) or its normalised partial output and log2-sum-exp for the merge."""
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -600,44 +480,25 @@ def _decode_kernel(
             mask=row_mask[:, None],
             other=0.0,
         )
+        q = _matmul_dtype(q, k_cache_ptr)
         qk_scale = scale_log2 * _load_scale(k_scale_ptr, K_SCALED)
-        if CUDA_CORES:
-            acc, m_i, l_i = _decode_range_cuda_cores(
-                q,
-                k_cache_ptr + kv_head * stride_kch,
-                v_cache_ptr + kv_head * stride_vch,
-                block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                start,
-                end,
-                qk_scale,
-                stride_kcb,
-                stride_kcs,
-                stride_vcb,
-                stride_vcs,
-                BLOCK_SIZE,
-                HEAD_DIM,
-                BLOCK_G,
-                BLOCK_N,
-                PREFETCH,
-            )
-        else:
-            acc, m_i, l_i = _decode_range(
-                _matmul_dtype(q, k_cache_ptr),
-                k_cache_ptr + kv_head * stride_kch,
-                v_cache_ptr + kv_head * stride_vch,
-                block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                start,
-                end,
-                qk_scale,
-                stride_kcb,
-                stride_kcs,
-                stride_vcb,
-                stride_vcs,
-                BLOCK_SIZE,
-                HEAD_DIM,
-                BLOCK_G,
-                BLOCK_N,
-            )
+        acc, m_i, l_i = _decode_range(
+            q,
+            k_cache_ptr + kv_head * stride_kch,
+            v_cache_ptr + kv_head * stride_vch,
+            block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            start,
+            end,
+            qk_scale,
+            stride_kcb,
+            stride_kcs,
+            stride_vcb,
+            stride_vcs,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_G,
+            BLOCK_N,
+        )
         # Empty ranges (seq_len 0, or a split past the end) give l_i == 0: output 0, lse -inf.
         has_keys = l_i > 0.0
         acc = acc * (_load_scale(v_scale_ptr, V_SCALED) / tl.where(has_keys, l_i, 1.0))[:, None]
@@ -707,14 +568,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_decode_config(
-    batch: int, num_kv_heads: int, group: int, cache_dtype: torch.dtype, num_sms: int = 132
+    batch: int, num_kv_heads: int, cache_dtype: torch.dtype, num_sms: int = 132
 ) -> DecodeConfig:
-    """The configuration ``paged_decode_attention`` uses when it is given none (``group``: query heads
-    per kv head)."""
+    """The configuration ``paged_decode_attention`` uses when it is given none: a grid that needs splits
+    (fewer than 3 programs per SM) merges them in a second kernel, whatever the cache's dtype (H200,
+    Qwen3-0.6B shape, 4096-wide tables, PDL: 7.9 against 9.8 us per layer for the fused merge at batch
+    1 x 600, 11.2 against 15.0 at batch 8)."""
     if cache_dtype != FP8_DTYPE or batch * num_kv_heads < _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
         return MERGE_KERNEL_DECODE
-    if group <= _CUDA_CORES_MAX_GROUP:
-        return FP8_CUDA_CORES_DECODE
     if batch * num_kv_heads >= _FULL_GRID_PROGRAMS_PER_SM * num_sms:
         return FP8_FULL_GRID_DECODE
     return FP8_DECODE
@@ -763,7 +624,6 @@ class DecodeWorkspace:
         """For calls with ``config``, or (None) with each batch's default for ``cache_dtype``."""
         device = torch.device(device)
         num_sms = _num_sms(device)
-        group = num_heads // num_kv_heads
         rows = max(
             b
             * decode_num_splits(
@@ -771,7 +631,7 @@ class DecodeWorkspace:
                 num_kv_heads,
                 max_context,
                 num_sms,
-                config or default_decode_config(b, num_kv_heads, group, cache_dtype, num_sms),
+                config or default_decode_config(b, num_kv_heads, cache_dtype, num_sms),
             )
             for b in range(1, max_batch + 1)
         )
@@ -815,7 +675,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     num_sms = _num_sms(query.device)
-    config = config or default_decode_config(batch, num_kv_heads, group, k_cache.dtype, num_sms)
+    config = config or default_decode_config(batch, num_kv_heads, k_cache.dtype, num_sms)
     query = _last_dim_contiguous(query)
     block_tables = _last_dim_contiguous(block_tables)
     max_context = block_tables.shape[1] * block_size
@@ -880,7 +740,6 @@ def _launch_decode(
     # from the batch would otherwise compile a new variant the first time a batch size is met.
     block_s = triton.next_power_of_2(config.max_splits)
     options = launch_options(pdl, query.device)
-    cuda_cores = config.products == "cuda_cores"
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -902,14 +761,11 @@ def _launch_decode(
         stride_oh=out.stride(1),
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
-        BLOCK_G=triton.next_power_of_2(group) if cuda_cores else _group_block(group),
+        BLOCK_G=_group_block(group),
         BLOCK_N=config.block_n,
         BLOCK_S=block_s,
         MODE=mode,
         MIN_SPLIT_TILES=config.min_split_tiles,
-        CUDA_CORES=cuda_cores,
-        # On the CUDA cores, num_stages - 1 tiles are prefetched (at most 3).
-        PREFETCH=min(config.num_stages - 1, 3) if cuda_cores else 0,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

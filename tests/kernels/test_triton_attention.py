@@ -89,10 +89,6 @@ DECODE_CONFIGS = {
     "default": None,
     "merge_kernel": "MERGE_KERNEL_DECODE",
     "fused_small_tiles": dict(block_n=16, min_split_tiles=2),
-    "cuda_cores": dict(block_n=16, products="cuda_cores"),
-    "cuda_cores_merge_kernel": dict(mode="merge_kernel", block_n=32, products="cuda_cores"),
-    "cuda_cores_no_prefetch": dict(block_n=16, num_stages=1, products="cuda_cores"),
-    "cuda_cores_prefetch_3": dict(block_n=16, num_stages=4, products="cuda_cores"),
 }
 
 
@@ -109,7 +105,6 @@ def _decode_config(kernels, name):
 DECODE_VARIANTS = [(name, False) for name in sorted(DECODE_CONFIGS)] + [
     ("default", True),
     ("merge_kernel", True),
-    ("cuda_cores", True),
 ]
 
 
@@ -153,23 +148,14 @@ def test_paged_decode_matches_reference(
     assert not workspace.counters.any(), "the fused merge must leave its counters at zero"
 
 
-def test_default_decode_config_follows_the_cache_dtype_the_group_and_the_grid():
+def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
     kernels = _kernels()
     # A grid that needs splits (fewer than 3 programs per SM): splits merged by a second kernel.
     for dtype in (DTYPE, FP8_DTYPE):
-        assert kernels.default_decode_config(8, 8, 2, dtype) is kernels.MERGE_KERNEL_DECODE
-    assert kernels.default_decode_config(256, 8, 2, DTYPE) is kernels.MERGE_KERNEL_DECODE
-    assert kernels.default_decode_config(64, 8, 2, FP8_DTYPE) is kernels.FP8_CUDA_CORES_DECODE
-    assert kernels.default_decode_config(64, 8, 8, FP8_DTYPE) is kernels.FP8_DECODE
-    assert kernels.default_decode_config(256, 8, 8, FP8_DTYPE) is kernels.FP8_FULL_GRID_DECODE
-    # The workspace covers each batch's default configuration for the cache's dtype.
-    for dtype in (DTYPE, FP8_DTYPE):
-        workspace = kernels.DecodeWorkspace.allocate(64, 16, 8, 128, 4096, DEVICE, cache_dtype=dtype)
-        rows = max(
-            b * kernels.decode_num_splits(b, 8, 4096, 132, kernels.default_decode_config(b, 8, 2, dtype))
-            for b in range(1, 65)
-        )
-        assert workspace.partial_lse.numel() == rows * 16
+        assert kernels.default_decode_config(8, 8, dtype) is kernels.MERGE_KERNEL_DECODE
+    assert kernels.default_decode_config(256, 8, DTYPE) is kernels.MERGE_KERNEL_DECODE
+    assert kernels.default_decode_config(64, 8, FP8_DTYPE) is kernels.FP8_DECODE
+    assert kernels.default_decode_config(256, 8, FP8_DTYPE) is kernels.FP8_FULL_GRID_DECODE
 
 
 def test_fused_decode_splits_short_contexts_on_the_device():
