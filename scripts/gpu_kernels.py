@@ -360,12 +360,40 @@ def check_gemv(gen):
             K.gref.silu_mul_gemv_ref(gate_up, weight),
             str(config),
         )
+    check_gemv_pdl_chain(gen)
     weight, bias = randn(gen, 300, 96), randn(gen, 300)
     for config in (None, K.gemv.GemvConfig(16, 32, 3, True), K.gemv.GemvConfig(8, 32, 2)):
         x = randn(gen, 5, 96)
         out = poison(5, 300)
         K.gemv.gemv(x, weight, bias, out=out, config=config)
         check_close("gemv", {"shape": "5x96x300+bias"}, out, K.gref.gemv_ref(x, weight, bias), str(config))
+
+
+def check_gemv_pdl_chain(gen, depth=8):
+    """GEMVs launched with PDL in a CUDA graph, each reading the previous one's output (their weights
+    load before the wait for it): against the same chain of references, with the buffers poisoned."""
+    n = k = HIDDEN
+    weights = [randn(gen, n, k, scale=k**-0.5) for _ in range(depth)]
+    for m, config in ((1, None), (4, K.gemv.GemvConfig(block_n=4, block_k=1024, num_warps=2)),
+                      (16, K.gemv.GemvConfig(32, 128, 4, True))):  # fmt: skip
+        x = randn(gen, m, k)
+        outs = [poison(m, n) for _ in range(depth)]
+
+        def chain(x=x, outs=outs, config=config):
+            for i, weight in enumerate(weights):
+                K.gemv.gemv(x if i == 0 else outs[i - 1], weight, out=outs[i], config=config, pdl=True)
+
+        chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        expected = x
+        for weight in weights:
+            expected = K.gref.gemv_ref(expected, weight)
+        check_close("gemv_pdl_chain", {"M": m, "depth": depth}, outs[-1], expected, str(config))
 
 
 def check_store(gen, head_dim, block_size, num_kv_heads=8, num_tokens=300):

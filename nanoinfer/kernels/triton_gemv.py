@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels.triton_elementwise import launch_options, pdl_prologue
+from nanoinfer.kernels.triton_elementwise import launch_options
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROWS = 16
@@ -86,6 +86,35 @@ def preferred_config(m: int, n: int, k: int) -> GemvConfig | None:
 
 
 @triton.jit
+def _load_weight_tile(w_rows, k0, k_stop, col_mask, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at k0 (zeros past k_stop)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if EVEN:
+        return tl.load(w_rows + ks[None, :])
+    return tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < k_stop)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_input_tile(
+    x_rows, k0, k_stop, K, row_mask, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr
+):
+    """The x tile [BLOCK_M, BLOCK_K] at k0 (zeros past k_stop); with GATED it is silu(gate) * up of the
+    gate columns at k0 and the up columns at K + k0, rounded as the separate activation kernel rounds
+    (silu, then the product, to x's dtype)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    x_mask = row_mask[:, None]
+    if not EVEN:
+        x_mask = x_mask & (ks < k_stop)[None, :]
+    x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        up = tl.load(x_rows + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
+        x = (silu * up).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _load_tiles(
     w_rows,
     x_rows,
@@ -98,24 +127,9 @@ def _load_tiles(
     EVEN: tl.constexpr,
     GATED: tl.constexpr,
 ):
-    """The weight tile [BLOCK_N, BLOCK_K] and the x tile [BLOCK_M, BLOCK_K] at k0 (zeros past k_stop);
-    with GATED the x tile is silu(gate) * up of the gate columns at k0 and the up columns at K + k0,
-    rounded as the separate activation kernel rounds (silu, then the product, to x's dtype)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    if EVEN:
-        w = tl.load(w_rows + ks[None, :])
-        x_mask = row_mask[:, None]
-    else:
-        k_mask = ks < k_stop
-        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x_mask = row_mask[:, None] & k_mask[None, :]
-    x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-    if GATED:
-        gate = x.to(tl.float32)
-        up = tl.load(x_rows + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
-        x = (silu * up).to(x.dtype)
-    return w, x
+    """The weight tile and the x tile at k0."""
+    w = _load_weight_tile(w_rows, k0, k_stop, col_mask, BLOCK_K, EVEN)
+    return w, _load_input_tile(x_rows, k0, k_stop, K, row_mask, BLOCK_K, EVEN, GATED)
 
 
 @triton.jit
@@ -143,7 +157,6 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,16 +169,26 @@ def _gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # No earlier kernel writes the weights, so under programmatic dependent launch their first tile is
+    # requested before the wait for the previous kernel (whose output x is): the weight read, most of
+    # this kernel's time at a few rows, overlaps the previous kernel's tail. Everything else (x, the
+    # split-K partials and counters) is read after the wait.
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    w = _load_weight_tile(w_rows, k_start, k_stop, col_mask, BLOCK_K, EVEN)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = _load_input_tile(x_rows, k_start, k_stop, K, row_mask, BLOCK_K, EVEN, GATED)
     if USE_DOT:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         # Triton pipelines these loads through shared memory (num_stages).
-        for k0 in range(k_start, k_stop, BLOCK_K):
+        for k0 in range(k_start + BLOCK_K, k_stop, BLOCK_K):
             w, x = _load_tiles(w_rows, x_rows, k0, k_stop, K, col_mask, row_mask, BLOCK_K, EVEN, GATED)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
         # Loads that do not feed a dot are not pipelined by Triton: the next tile is requested before
         # the current one is used, so that two tiles per program are in flight. One row accumulates
         # elementwise and reduces once at the end; more rows reduce every tile (registers).
-        w, x = _load_tiles(w_rows, x_rows, k_start, k_stop, K, col_mask, row_mask, BLOCK_K, EVEN, GATED)
         acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
             w_next, x_next = _load_tiles(
