@@ -72,9 +72,11 @@ kernels)
     ;;
 ab)
     # The throughput workload (with --tpot) on an older tree (OLD_TREE: a `git archive` of it, default
-    # .old_tree) and on this one, in the same run: host speed varies between machines.
+    # .old_tree; OLD_COMMIT: its commit, for its JSON) and on this one, in the same run: host speed
+    # varies between machines.
     write_checkpoint
-    (cd "${OLD_TREE:-.old_tree}" && PYTHONPATH=$PWD timeout 100 python3 benchmarks/throughput.py --model "$CKPT" \
+    (cd "${OLD_TREE:-.old_tree}" && PYTHONPATH=$PWD NANOINFER_COMMIT="${OLD_COMMIT:-old tree}" \
+        timeout 100 python3 benchmarks/throughput.py --model "$CKPT" \
         --tpot --result-file "$OUT/throughput_old.json")
     timeout 100 python3 benchmarks/throughput.py --model "$CKPT" --tpot --result-file "$OUT/throughput_new.json"
     ;;
