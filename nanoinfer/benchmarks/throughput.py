@@ -457,7 +457,7 @@ def _eager_mixed_and_prefill(llm) -> dict[str, Any]:
     try:
         return {
             "mixed_step_profile": profile_decode_step(llm, batch=128, context=600, prompt_per_step=1024),
-            "prefill_step_ms": prefill_step_time(llm),
+            "prefill_step_ms": prefill_step_time(llm, seed=EAGER_PREFILL_SEED),
         }
     finally:
         runner.piecewise = piecewise
@@ -547,18 +547,26 @@ def graph_replay_times(llm, batch_sizes: tuple[int, ...] = (1, 8, 64, 256), repl
     return times
 
 
-def prefill_step_time(llm, num_tokens: int = 16384, seed: int = 3) -> dict[str, float]:
+# The prefill probe's prompts follow from its seed: the eager probe and the later one (piecewise graphs)
+# of one engine draw different prompts, or the later one would measure prefix-cache hits.
+PREFILL_SEED, EAGER_PREFILL_SEED = 3, 4
+
+
+def prefill_step_time(llm, num_tokens: int = 16384, seed: int = PREFILL_SEED) -> dict[str, float]:
     """Wall time of one prefill step of about ``num_tokens`` tokens shaped like the benchmark's (prompts of
     100-1024 tokens), the first time such a step runs in this engine and again (new random prompts, so
-    that no prefix is cached)."""
-    import torch
+    that no prefix is cached). The prompts follow from ``seed``: a second call on the same engine needs
+    another seed, or its prompts are prefix-cache hits (``cached_tokens`` says how many were)."""
     from torch.profiler import ProfilerActivity, profile
 
     from nanoinfer import SamplingParams
 
     rng = random.Random(seed)
     budget = llm.llm_engine.config.max_num_batched_tokens
+    on_cuda = llm.llm_engine.config.device == "cuda"
+    activity = ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU
     times = []
+    cached = 0
     for attempt in range(3):
         prompts, total = [], 0
         while total < min(num_tokens, budget):
@@ -566,16 +574,17 @@ def prefill_step_time(llm, num_tokens: int = 16384, seed: int = 3) -> dict[str, 
             prompts.append([rng.randint(0, 10000) for _ in range(n)])
             total += n
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        torch.cuda.synchronize()
+        _synchronize(on_cuda)
         if attempt == 2:  # the kernels of a warm prefill step
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                llm.generate(prompts, params, use_tqdm=False)
-                torch.cuda.synchronize()
-            break
-        started = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - started) * 1e3)
+            with profile(activities=[activity]) as prof:
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                _synchronize(on_cuda)
+        else:
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            _synchronize(on_cuda)
+            times.append((time.perf_counter() - started) * 1e3)
+        cached += sum(output.num_cached_tokens for output in outputs)
     categories: dict[str, float] = {}
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", 0) or 0
@@ -587,9 +596,17 @@ def prefill_step_time(llm, num_tokens: int = 16384, seed: int = 3) -> dict[str, 
         "sequences": len(prompts),
         "first_ms": round(times[0], 2),
         "again_ms": round(times[1], 2),
+        "cached_tokens": cached,
         "gpu_ms_by_category": {k: round(v, 3) for k, v in sorted(categories.items())},
         "gpu_ms_total": round(sum(categories.values()), 3),
     }
+
+
+def _synchronize(on_cuda: bool) -> None:
+    import torch
+
+    if on_cuda:
+        torch.cuda.synchronize()
 
 
 def transformers_continuous_batching(
