@@ -20,6 +20,11 @@ from typing import Any
 
 from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args
 
+# The probes' prompts follow from their seeds: a probe run twice on one engine (eagerly and with
+# piecewise graphs, with and without PDL) draws different prompts each time, or the second run would
+# measure prefix-cache hits.
+PREFILL_SEED, EAGER_PREFILL_SEED, EAGER_PROFILE_SEED, WITHOUT_PDL_SEED = 3, 4, 5, 6
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
@@ -268,32 +273,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def single_sequence_latency(llm) -> dict[str, float]:
-    """TTFT and TPOT of one greedy sequence: 512 prompt tokens, 256 output tokens."""
+def single_sequence_latency(llm, seed: int = 1) -> dict[str, Any]:
+    """TTFT and TPOT of one greedy sequence: 512 prompt tokens, 256 output tokens. Every generation has
+    a prompt of its own (a repeated one would be a prefix-cache hit: TTFT of one token); ``seed`` picks
+    them, so a second call on the same engine needs another seed (``cached_tokens`` says)."""
     from nanoinfer import SamplingParams
 
-    rng = random.Random(1)
-    prompt = [[rng.randint(0, 10000) for _ in range(512)]]
-    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    rng = random.Random(seed)
+
+    def generate(max_tokens: int, ignore_eos: bool):
+        prompt = [[rng.randint(0, 10000) for _ in range(512)]]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        started = time.perf_counter()
+        (output,) = llm.generate(prompt, params, use_tqdm=False)
+        return time.perf_counter() - started, output.num_cached_tokens
+
+    generate(8, True)  # warm-up
+    cached = 0
     ttfts = []
     for _ in range(3):
-        started = time.perf_counter()
-        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        ttfts.append(time.perf_counter() - started)
+        seconds, hits = generate(1, False)
+        ttfts.append(seconds)
+        cached += hits
     ttft = min(ttfts)
-    started = time.perf_counter()
-    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True), use_tqdm=False)
-    total = time.perf_counter() - started
-    return {"ttft_ms": round(ttft * 1e3, 3), "tpot_ms": round((total - ttft) / 255 * 1e3, 3)}
+    total, hits = generate(256, True)
+    return {
+        "ttft_ms": round(ttft * 1e3, 3),
+        "tpot_ms": round((total - ttft) / 255 * 1e3, 3),
+        "cached_tokens": cached + hits,
+    }
 
 
 def profile_decode_step(
-    llm, batch: int = 256, context: int = 1024, prompt_per_step: int = 0
+    llm, batch: int = 256, context: int = 1024, prompt_per_step: int = 0, seed: int = 2
 ) -> dict[str, Any]:
     """Where the time of one decode step goes at ``batch`` sequences of ``context`` tokens: GPU kernels
     by category (from the profiler) and the host-side remainder (scheduling, input prep, sampling glue).
-    With ``prompt_per_step`` each step also prefills a new prompt of that many tokens (a mixed step,
-    which runs eagerly)."""
+    With ``prompt_per_step`` each step also prefills a new prompt of that many tokens (a mixed step).
+    The prompts follow from ``seed``: two mixed profiles of one engine need different seeds, or the
+    second one's prompts are prefix-cache hits (``cached_prompt_tokens`` says)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -301,7 +319,7 @@ def profile_decode_step(
     from nanoinfer.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
-    rng = random.Random(2)
+    rng = random.Random(seed)
     # Final-only outputs, as LLM.generate uses: the profile is of the offline benchmark's step.
     params = SamplingParams(
         temperature=0.6, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
@@ -316,12 +334,16 @@ def profile_decode_step(
     steps = 10
     extra = iter(range(1 << 30))
     one_token = SamplingParams(temperature=0.6, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+    cached_prompt_tokens = 0
 
     def step() -> None:
+        nonlocal cached_prompt_tokens
         if prompt_per_step:
             prompt = [rng.randint(0, 10000) for _ in range(prompt_per_step)]
             engine.add_request(f"profile-prompt-{next(extra)}", prompt, one_token)
-        engine.step()
+        for output in engine.step():
+            if output.request_id.startswith("profile-prompt-"):
+                cached_prompt_tokens += output.num_cached_tokens
 
     with _host_phases(llm) as phases:
         started = time.perf_counter()
@@ -350,6 +372,7 @@ def profile_decode_step(
         "batch": batch,
         "context": context,
         "prompt_per_step": prompt_per_step,
+        "cached_prompt_tokens": cached_prompt_tokens,
         "step_ms": round(step_ms, 3),
         "gpu_ms_by_category": {k: round(v, 3) for k, v in sorted(categories.items())},
         "gpu_ms_total": round(gpu_ms, 3),
@@ -456,7 +479,9 @@ def _eager_mixed_and_prefill(llm) -> dict[str, Any]:
     piecewise, runner.piecewise = runner.piecewise, None
     try:
         return {
-            "mixed_step_profile": profile_decode_step(llm, batch=128, context=600, prompt_per_step=1024),
+            "mixed_step_profile": profile_decode_step(
+                llm, batch=128, context=600, prompt_per_step=1024, seed=EAGER_PROFILE_SEED
+            ),
             "prefill_step_ms": prefill_step_time(llm, seed=EAGER_PREFILL_SEED),
         }
     finally:
@@ -517,7 +542,7 @@ def _without_pdl(llm) -> dict[str, Any]:
             "decode_step_profile_batch1": profile_decode_step(llm, batch=1, context=600),
             "decode_step_profile": profile_decode_step(llm),
             "graph_replay_ms": graph_replay_times(llm),
-            "single_sequence": single_sequence_latency(llm),
+            "single_sequence": single_sequence_latency(llm, seed=WITHOUT_PDL_SEED),
         }
     finally:
         switch(True)
@@ -545,11 +570,6 @@ def graph_replay_times(llm, batch_sizes: tuple[int, ...] = (1, 8, 64, 256), repl
         end.synchronize()
         times[str(batch)] = round(start.elapsed_time(end) / replays, 4)
     return times
-
-
-# The prefill probe's prompts follow from its seed: the eager probe and the later one (piecewise graphs)
-# of one engine draw different prompts, or the later one would measure prefix-cache hits.
-PREFILL_SEED, EAGER_PREFILL_SEED = 3, 4
 
 
 def prefill_step_time(llm, num_tokens: int = 16384, seed: int = PREFILL_SEED) -> dict[str, float]:
