@@ -419,7 +419,7 @@ def check_store(gen, head_dim, block_size, num_kv_heads=8, num_tokens=300):
 def decode_configs(quick: bool) -> dict:
     configs = {
         "merge_kernel": K.attn.MERGE_KERNEL_DECODE,
-        "fused": K.attn.DEFAULT_DECODE,
+        "fused": K.attn.FUSED_DECODE,
         "fused_n32": K.attn.DecodeConfig(block_n=32),
         "fused_n16": K.attn.DecodeConfig(block_n=16),
         "fused_n32_min2": K.attn.DecodeConfig(block_n=32, min_split_tiles=2),

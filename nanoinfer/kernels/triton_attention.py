@@ -41,8 +41,8 @@ class DecodeConfig:
 
     ``mode``: ``"fused"`` (one launch; each sequence's split count is chosen on the device from its own
     length, at least ``min_split_tiles`` key tiles per split, and a sequence that needs one split
-    writes its output directly) or ``"merge_kernel"`` (the earlier scheme: every grid split writes a
-    partial and a second kernel merges them). The grid's split count aims at
+    writes its output directly) or ``"merge_kernel"`` (every grid split writes a partial and a second
+    kernel merges them: the default, see ``default_decode_config``). The grid's split count aims at
     ``target_programs_per_sm`` programs per SM, at most ``max_splits``.
     """
 
@@ -64,11 +64,13 @@ class DecodeConfig:
                 raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
-# The scheme measured on the H200 before the fused mode (split count rounded down to a power of two:
-# batch 32 x 4096, 2 splits 3.8 TB/s against 3.4-3.5 with 3, 5 or 20; batch 8 x 8192, 8 splits 3.3
-# against 3.0-3.2 with 4, 9, 17 or 64).
+# The default wherever the grid needs splits (``default_decode_config``); its split count is rounded down
+# to a power of two (H200: batch 32 x 4096, 2 splits 3.8 TB/s against 3.4-3.5 with 3, 5 or 20; batch 8
+# x 8192, 8 splits 3.3 against 3.0-3.2 with 4, 9, 17 or 64).
 MERGE_KERNEL_DECODE = DecodeConfig(mode="merge_kernel")
-DEFAULT_DECODE = DecodeConfig()
+# One launch, but slower at the batches that split (H200, 4096-wide tables, PDL: 9.8 against 7.9 us per
+# layer at batch 1 x 600, 15.0 against 11.2 at batch 8).
+FUSED_DECODE = DecodeConfig()
 # Against an FP8 cache (H200, Qwen3-0.6B shape, docs/benchmarks.md): 32-key tiles beat 64-key ones (66
 # against 76 us at batch 64 x 1024), and once the grid is full one warp per program with two pipeline
 # stages beats four warps (209 against 248 us at 256 x 1024; 4 warps stay better at batch 64: 66
@@ -582,7 +584,7 @@ def default_decode_config(
 
 
 def decode_num_splits(
-    batch: int, num_kv_heads: int, max_context: int, num_sms: int, config: DecodeConfig = DEFAULT_DECODE
+    batch: int, num_kv_heads: int, max_context: int, num_sms: int, config: DecodeConfig = MERGE_KERNEL_DECODE
 ) -> int:
     """Static split count of a decode launch's grid (it depends on shapes only, never on seq_lens):
     enough (sequence, kv head, split) programs to keep every multiprocessor busy, never more splits
@@ -718,7 +720,7 @@ def _launch_decode(
     workspace,
     num_splits,
     group,
-    config=DEFAULT_DECODE,
+    config=MERGE_KERNEL_DECODE,
     k_scale=None,
     v_scale=None,
     pdl=False,

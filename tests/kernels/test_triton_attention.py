@@ -88,6 +88,7 @@ DECODE_CASES = [
 DECODE_CONFIGS = {
     "default": None,
     "merge_kernel": "MERGE_KERNEL_DECODE",
+    "fused": "FUSED_DECODE",
     "fused_small_tiles": dict(block_n=16, min_split_tiles=2),
 }
 
@@ -180,10 +181,10 @@ def test_fused_decode_splits_short_contexts_on_the_device():
 
 
 @gpu_only
-@pytest.mark.parametrize("config_name", ["default", "merge_kernel"])
+@pytest.mark.parametrize("config_name", ["fused", "merge_kernel"])
 def test_paged_decode_with_workspace_replays_in_cuda_graph(config_name):
     kernels = _kernels()
-    config = _decode_config(kernels, config_name) or kernels.DEFAULT_DECODE
+    config = _decode_config(kernels, config_name)
     gen = generator(7)
     batch, num_heads, num_kv_heads, head_dim, block_size = 4, 16, 8, 128, 16
     tables, num_blocks = random_tables(gen, [512] * batch, block_size)
