@@ -435,6 +435,12 @@ def decode_configs(quick: bool) -> dict:
         "fused_n128_w8": K.attn.DecodeConfig(block_n=128, num_warps=8),
         "fused_n32_w1_s2": K.attn.DecodeConfig(block_n=32, num_warps=1, num_stages=2),
         "fused_n16_w1_s4": K.attn.DecodeConfig(block_n=16, num_warps=1, num_stages=4),
+        # FP8 caches only: e4m3 queries, the query-key product on the FP8 tensor cores (64-row tiles).
+        "fp8q_n32": K.attn.DecodeConfig(block_n=32, fp8_queries=True),
+        "fp8q_n64": K.attn.DecodeConfig(block_n=64, fp8_queries=True),
+        "fp8q_n64_s2": K.attn.DecodeConfig(block_n=64, num_stages=2, fp8_queries=True),
+        "fp8q_n128_w8": K.attn.DecodeConfig(block_n=128, num_warps=8, fp8_queries=True),
+        "fp8q_merge_n32": K.attn.DecodeConfig(mode="merge_kernel", block_n=32, fp8_queries=True),
     }
     return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32")} if quick else configs
 
@@ -454,8 +460,17 @@ def check_decode(
     args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale)
     K.attn.paged_decode_attention(*args, out=out, config=config, **paged.scales)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    # With fp8_queries the kernel attends with e4m3 queries: so does the reference.
+    query_ref = K.aref.quantize_queries_ref(query) if config.fp8_queries else query
     expected = K.aref.paged_attention_ref(
-        query, paged.k_cache, paged.v_cache, qsl, paged.seq_lens, paged.block_tables, scale, **paged.scales
+        query_ref,
+        paged.k_cache,
+        paged.v_cache,
+        qsl,
+        paged.seq_lens,
+        paged.block_tables,
+        scale,
+        **paged.scales,
     )
     splits = K.attn.decode_num_splits(
         batch, num_kv_heads, paged.block_tables.shape[1] * block_size, num_sms(), config
@@ -505,8 +520,16 @@ def check_decode_graph(gen, config_name, config, fp8=False, pdl=False):
         query.copy_(torch.randn(query.shape, generator=gen, device=DEVICE))
         out.fill_(float("nan"))
         graph.replay()
+        query_ref = K.aref.quantize_queries_ref(query) if config.fp8_queries else query
         expected = K.aref.paged_attention_ref(
-            query, paged.k_cache, paged.v_cache, qsl, lens, paged.block_tables, head_dim**-0.5, **paged.scales
+            query_ref,
+            paged.k_cache,
+            paged.v_cache,
+            qsl,
+            lens,
+            paged.block_tables,
+            head_dim**-0.5,
+            **paged.scales,
         )
         err = rel_error(out, expected)
         worst = max(worst, err)
@@ -617,13 +640,14 @@ def run_decode_correctness(gen, quick):
     # timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
     for name, config in configs.items():
         for shape in shapes if name in ("merge_kernel", "fused") else (shapes[0], shapes[1], shapes[6]):
-            check_decode(gen, *shape, name, config)
-    for name in ("merge_kernel", "fused"):
+            check_decode(gen, *shape, name, config, fp8=config.fp8_queries)
+    for name in ("merge_kernel", "fused", "fp8q_n32"):
         for shape in shapes[:4]:
             check_decode(gen, *shape, name, configs[name], fp8=True)
-        check_decode_graph(gen, name, configs[name])
+        if not configs[name].fp8_queries:
+            check_decode_graph(gen, name, configs[name])
+            check_decode_graph(gen, name, configs[name], pdl=True)
         check_decode_graph(gen, name, configs[name], fp8=True)
-        check_decode_graph(gen, name, configs[name], pdl=True)
 
 
 def run_prefill_correctness(gen, quick):
@@ -883,6 +907,8 @@ def time_decode(gen, quick):
             args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
             entry = {}
             for name, config in configs.items():
+                if config.fp8_queries and not fp8:
+                    continue
                 workspace = K.attn.DecodeWorkspace.allocate(
                     batch, HEADS, KV_HEADS, HEAD_DIM, paged.block_tables.shape[1] * block_size, DEVICE, config
                 )
@@ -1385,6 +1411,8 @@ def compile_only(quick: bool) -> int:
             tables = torch.zeros(batch, 64, dtype=torch.int32)
             lens = torch.zeros(batch, dtype=torch.int32)
             for name, config in decode_configs(quick).items():
+                if config.fp8_queries and cache_dtype != FP8:
+                    continue
                 for pdl in (False, True):
                     attempt(
                         f"decode {cache_dtype} B={batch} {name} pdl={pdl}",
