@@ -360,6 +360,18 @@ def check_gemv(gen):
             K.gref.silu_mul_gemv_ref(gate_up, weight),
             str(config),
         )
+    for m in (1, 4, 16):
+        # The add + RMSNorm before the qkv projection computed in its prologue.
+        n, k = PROJECTIONS["qkv"]
+        x, residual, weight = randn(gen, m, k), randn(gen, m, k), randn(gen, n, k, scale=0.05)
+        norm_weight = randn(gen, k).abs()
+        out, total = poison(m, n), poison(m, k)
+        K.gemv.gemv(
+            x, weight, out=out, norm_weight=norm_weight, eps=EPS, residual=residual, residual_out=total
+        )
+        expected, expected_total = K.gref.rms_norm_gemv_ref(x, weight, norm_weight, EPS, residual)
+        check_close("gemv_norm", {"proj": "qkv", "M": m}, out, expected)
+        record("gemv_norm_sum", {"proj": "qkv", "M": m}, bool(torch.equal(total, expected_total)))
     check_gemv_pdl_chain(gen)
     weight, bias = randn(gen, 300, 96), randn(gen, 300)
     for config in (None, K.gemv.GemvConfig(16, 32, 3, True), K.gemv.GemvConfig(8, 32, 2)):
@@ -1122,12 +1134,16 @@ class MockDecodeStep:
         )
         self.num_bytes += sum(layer["paged"].kv_bytes for layer in self.layers)
 
-    def run(self, cublas: bool = False, pdl: bool = False) -> torch.Tensor:
+    def run(self, cublas: bool = False, pdl: bool = False, norm_in_gemv: bool = False) -> torch.Tensor:
         """One step through the Triton kernels; the sampled tokens go to ``self.tokens``. Returns the
-        logits."""
+        logits. ``norm_in_gemv``: each add + RMSNorm is computed in the prologue of the projection
+        after it (qkv, gate_up, the LM head) instead of by a kernel of its own."""
 
         def project(x, w):
             return torch.nn.functional.linear(x, w) if cublas else K.gemv.gemv(x, w, pdl=pdl)
+
+        if norm_in_gemv:
+            return self._run_norm_in_gemv(pdl)
 
         def project_gated(gate_up, w):
             if cublas:
@@ -1173,6 +1189,37 @@ class MockDecodeStep:
             x = project_gated(project(x, layer["gate_up"]), layer["down"])
         K.elem.add_rms_norm(x, residual, self.final_norm, EPS, pdl=pdl)
         logits = project(x, self.lm_head)
+        K.samp.gumbel_sample(logits, self.temperature, self.seeds, self.offsets, out=self.tokens, pdl=pdl)
+        return logits
+
+    def _run_norm_in_gemv(self, pdl: bool) -> torch.Tensor:
+        x = self.hidden.clone()
+        residual, total = torch.zeros_like(x), torch.empty_like(x)
+
+        def normed_project(x, w, norm_weight):
+            nonlocal residual, total
+            out = K.gemv.gemv(
+                x, w, pdl=pdl, norm_weight=norm_weight, eps=EPS, residual=residual, residual_out=total
+            )
+            residual, total = total, residual
+            return out
+
+        for layer in self.layers:
+            qkv = normed_project(x, layer["qkv"], layer["norm1"])
+            paged = layer["paged"]
+            q, _, _ = K.elem.qk_norm_rope_store(
+                qkv, self.positions, self.cos_sin, HEADS, KV_HEADS, HEAD_DIM, layer["q_norm"],
+                layer["k_norm"], EPS, paged.k_cache, paged.v_cache, layer["slots"], paged.k_scale,
+                paged.v_scale, pdl=pdl,
+            )  # fmt: skip
+            attn = K.attn.paged_decode_attention(
+                q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5,
+                workspace=self.workspace, pdl=pdl, **paged.scales,
+            )  # fmt: skip
+            x = K.gemv.gemv(attn.view(self.batch, -1), layer["o"], pdl=pdl)
+            gate_up = normed_project(x, layer["gate_up"], layer["norm2"])
+            x = K.gemv.gemv(gate_up, layer["down"], pdl=pdl, gated=True)
+        logits = normed_project(x, self.lm_head, self.final_norm)
         K.samp.gumbel_sample(logits, self.temperature, self.seeds, self.offsets, out=self.tokens, pdl=pdl)
         return logits
 
@@ -1224,15 +1271,20 @@ def time_mock_step(gen, quick):
         step = MockDecodeStep(gen, batch, MOCK_STEP_CONTEXT)
         entry = {"weights_and_kv_bytes": step.num_bytes}
         # The whole step against the references: errors of 28 layers of bf16 add up, hence 5e-2.
-        err = rel_error(step.run(), step.run_reference())
+        reference = step.run_reference()
+        err = rel_error(step.run(), reference)
         record(
             "mock_step", {"B": batch, "ctx": MOCK_STEP_CONTEXT}, err < 5e-2, err, "logits vs the references"
         )
+        err = rel_error(step.run(norm_in_gemv=True), reference)
+        record("mock_step", {"B": batch, "ctx": MOCK_STEP_CONTEXT, "norm_in_gemv": True}, err < 5e-2, err)
+        eager_norm_in_gemv_tokens = step.tokens.clone()
         step.run()
         eager_tokens = step.tokens.clone()
         for label, kwargs in (
             ("triton", {}),
             ("triton+pdl", {"pdl": True}),
+            ("triton+pdl, norm in the gemv", {"pdl": True, "norm_in_gemv": True}),
             ("cublas projections", {"cublas": True}),
         ):
             try:
@@ -1240,7 +1292,8 @@ def time_mock_step(gen, quick):
                 graph_tokens = step.tokens.clone()
                 entry[label] = {"ms": ms, "tbps": step.num_bytes / ms / 1e9}
                 if label != "cublas projections":
-                    entry[label]["same_tokens_as_eager"] = bool(torch.equal(graph_tokens, eager_tokens))
+                    eager = eager_norm_in_gemv_tokens if kwargs.get("norm_in_gemv") else eager_tokens
+                    entry[label]["same_tokens_as_eager"] = bool(torch.equal(graph_tokens, eager))
             except Exception as exc:  # noqa: BLE001
                 entry[label] = {"error": repr(exc)[:300]}
         res[f"B{batch} ctx{MOCK_STEP_CONTEXT}"] = entry
@@ -1393,6 +1446,18 @@ def compile_only(quick: bool) -> int:
         for m in (1, 2, 4, 8, 16):
             for config in [None, *gemv_candidates(m, quick)]:
                 attempt(f"gemv {name} M={m} {config}", K.gemv.gemv, t(m, k), weight, config=config, pdl=True)
+            if name in ("qkv", "gate_up", "lm_head"):  # the mock step's add + norm in the prologue
+                x = t(m, k)
+                attempt(
+                    f"gemv {name} M={m} norm",
+                    K.gemv.gemv,
+                    x,
+                    weight,
+                    pdl=True,
+                    norm_weight=t(k),
+                    residual=t(m, k),
+                    residual_out=t(m, k),
+                )
     for cache_dtype in (DTYPE, FP8):
         scales = {"k_scale": ones, "v_scale": ones} if cache_dtype == FP8 else {}
         cache = t(300, 16, KV_HEADS, HEAD_DIM, dtype=cache_dtype)

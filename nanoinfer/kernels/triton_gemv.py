@@ -29,6 +29,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROWS = 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MIN_COUNTERS = 1 << 14
+# What the input is normalised with before the product (the kernel's NORM): nothing, RMSNorm(x), or
+# RMSNorm(x + residual) with the sum written out.
+_NORM_NONE = tl.constexpr(0)
+_NORM_RMS = tl.constexpr(1)
+_NORM_ADD = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -96,11 +101,22 @@ def _load_weight_tile(w_rows, k0, k_stop, col_mask, BLOCK_K: tl.constexpr, EVEN:
 
 @triton.jit
 def _load_input_tile(
-    x_rows, k0, k_stop, K, row_mask, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr
+    x_rows,
+    k0,
+    k_stop,
+    K,
+    row_mask,
+    norm,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    GATED: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """The x tile [BLOCK_M, BLOCK_K] at k0 (zeros past k_stop); with GATED it is silu(gate) * up of the
     gate columns at k0 and the up columns at K + k0, rounded as the separate activation kernel rounds
-    (silu, then the product, to x's dtype)."""
+    (silu, then the product, to x's dtype). With NORM (see ``_norm_args``) it is RMSNorm(x) or
+    RMSNorm(x + residual), rounded as the norm kernels round, and the programs of the first column
+    block write x + residual."""
     ks = k0 + tl.arange(0, BLOCK_K)
     x_mask = row_mask[:, None]
     if not EVEN:
@@ -111,7 +127,34 @@ def _load_input_tile(
         up = tl.load(x_rows + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
         silu = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
         x = (silu * up).to(x.dtype)
+    if NORM != _NORM_NONE:
+        res_rows, res_out_rows, norm_weight_ptr, rstd, write_sum = norm
+        if NORM == _NORM_ADD:
+            residual = tl.load(res_rows + ks[None, :], mask=x_mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+            tl.store(res_out_rows + ks[None, :], x, mask=x_mask & write_sum)
+        weight = tl.load(norm_weight_ptr + ks, mask=ks < k_stop, other=0.0).to(tl.float32)
+        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+        x = (weight[None, :] * normed).to(x.dtype)
     return x
+
+
+@triton.jit
+def _norm_rstd(x_rows, res_rows, K, eps, row_mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               NORM: tl.constexpr):  # fmt: skip
+    """1 / RMS of each row of x (or of x + residual, rounded to x's dtype first) over all K columns:
+    [BLOCK_M] float32."""
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (ks < K)[None, :]
+        x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+        if NORM == _NORM_ADD:
+            residual = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        xf = x.to(tl.float32)
+        sum_sq += tl.sum(xf * xf, axis=1)
+    return tl.math.rsqrt(sum_sq / K + eps)
 
 
 @triton.jit
@@ -123,13 +166,15 @@ def _load_tiles(
     K,
     col_mask,
     row_mask,
+    norm,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """The weight tile and the x tile at k0."""
     w = _load_weight_tile(w_rows, k0, k_stop, col_mask, BLOCK_K, EVEN)
-    return w, _load_input_tile(x_rows, k0, k_stop, K, row_mask, BLOCK_K, EVEN, GATED)
+    return w, _load_input_tile(x_rows, k0, k_stop, K, row_mask, norm, BLOCK_K, EVEN, GATED, NORM)
 
 
 @triton.jit
@@ -146,6 +191,12 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    res_ptr,
+    res_out_ptr,
+    norm_weight_ptr,
+    eps,
+    stride_rm,
+    stride_rom,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -154,6 +205,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -178,12 +230,21 @@ def _gemv_kernel(
     w = _load_weight_tile(w_rows, k_start, k_stop, col_mask, BLOCK_K, EVEN)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    x = _load_input_tile(x_rows, k_start, k_stop, K, row_mask, BLOCK_K, EVEN, GATED)
+    # The norm's statistics over the whole row, in every program (the row is a few KB, from L2).
+    res_rows = res_ptr + rows[:, None] * stride_rm
+    if NORM != _NORM_NONE:
+        rstd = _norm_rstd(x_rows, res_rows, K, eps, row_mask, BLOCK_M, BLOCK_K, NORM)
+    else:
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    norm = (res_rows, res_out_ptr + rows[:, None] * stride_rom, norm_weight_ptr, rstd, pid_n == 0)
+    x = _load_input_tile(x_rows, k_start, k_stop, K, row_mask, norm, BLOCK_K, EVEN, GATED, NORM)
     if USE_DOT:
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         # Triton pipelines these loads through shared memory (num_stages).
         for k0 in range(k_start + BLOCK_K, k_stop, BLOCK_K):
-            w, x = _load_tiles(w_rows, x_rows, k0, k_stop, K, col_mask, row_mask, BLOCK_K, EVEN, GATED)
+            w, x = _load_tiles(
+                w_rows, x_rows, k0, k_stop, K, col_mask, row_mask, norm, BLOCK_K, EVEN, GATED, NORM
+            )
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
         # Loads that do not feed a dot are not pipelined by Triton: the next tile is requested before
@@ -192,8 +253,9 @@ def _gemv_kernel(
         acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
             w_next, x_next = _load_tiles(
-                w_rows, x_rows, k0 + BLOCK_K, k_stop, K, col_mask, row_mask, BLOCK_K, False, GATED
-            )
+                w_rows, x_rows, k0 + BLOCK_K, k_stop, K, col_mask, row_mask, norm, BLOCK_K, False, GATED,
+                NORM,
+            )  # fmt: skip
             if BLOCK_M == 1:
                 acc_k += w.to(tl.float32) * x.to(tl.float32)
             else:
@@ -225,6 +287,27 @@ def _gemv_kernel(
             tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
+def _check_norm(x, k, gated, norm_weight, residual, residual_out) -> int:
+    """The kernel's NORM for these arguments; ValueError naming the one that does not fit."""
+    if norm_weight is None:
+        if residual is not None or residual_out is not None:
+            raise ValueError("gemv: residual and residual_out need norm_weight")
+        return _NORM_NONE.value
+    if gated:
+        raise ValueError("gemv: norm_weight and gated=True cannot be combined")
+    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
+        shape = tuple(norm_weight.shape)
+        raise ValueError(f"gemv: norm_weight must be a contiguous [{k}] tensor, got {shape}")
+    if residual is None:
+        if residual_out is not None:
+            raise ValueError("gemv: residual_out needs residual")
+        return _NORM_RMS.value
+    for name, t in (("residual", residual), ("residual_out", residual_out)):
+        if t is None or t.shape != x.shape or t.dtype != x.dtype or t.stride(1) != 1:
+            raise ValueError(f"gemv: {name} must be a {tuple(x.shape)} {x.dtype} tensor with stride(1) == 1")
+    return _NORM_ADD.value
+
+
 def _split_k_counters(device: torch.device, count: int) -> torch.Tensor:
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < count:
@@ -246,10 +329,17 @@ def gemv(
     config: GemvConfig | None = None,
     pdl: bool = False,
     gated: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` [M, K] (1 <= M <= 16, unit last stride) @ ``weight`` [N, K].T (row-major, as nn.Linear
     stores it) + ``bias`` [N]: a new [M, N] tensor of ``x``'s dtype (or ``out``), float32 accumulation.
-    ``gated``: ``x`` is [M, 2K] = [gate | up] and the product is silu(gate) * up @ ``weight``.T."""
+    ``gated``: ``x`` is [M, 2K] = [gate | up] and the product is silu(gate) * up @ ``weight``.T.
+    ``norm_weight`` [K]: the product is over RMSNorm(x) (``eps``), or with ``residual`` [M, K] over
+    RMSNorm(x + residual), the sum written to ``residual_out`` [M, K] (a decoder layer's add + norm
+    before its projection, without a kernel of their own; rounded as ``add_rms_norm`` rounds)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gated else 1):
         expected = "[M, 2K] ([gate | up])" if gated else "[M, K]"
         raise ValueError(
@@ -269,6 +359,7 @@ def gemv(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be ({m}, {n}) {x.dtype} with stride(1) == 1")
+    norm = _check_norm(x, k, gated, norm_weight, residual, residual_out)
     config = config or gemv_config(m, n, k)
     column_blocks = triton.cdiv(n, config.block_n)
     if config.split_k > 1:
@@ -290,6 +381,12 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        residual if residual is not None else x,
+        residual_out if residual_out is not None else out,
+        norm_weight if norm_weight is not None else weight,
+        eps,
+        residual.stride(0) if residual is not None else 0,
+        residual_out.stride(0) if residual_out is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -298,6 +395,7 @@ def gemv(
         HAS_BIAS=bias is not None,
         EVEN=n % config.block_n == 0 and k % (config.block_k * config.split_k) == 0,
         GATED=gated,
+        NORM=norm,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl,
         num_warps=config.num_warps,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanoinfer.kernels.gemv_ref import gemv_ref, silu_mul_gemv_ref
+from nanoinfer.kernels.gemv_ref import gemv_ref, rms_norm_gemv_ref, silu_mul_gemv_ref
 from tests.kernels.helpers import DEVICE, DTYPE, DTYPES, generator, randn, rel_error, tolerance, triton_module
 
 
@@ -76,3 +76,46 @@ def test_gemv_validation_names_the_field():
         )
     with pytest.raises(ValueError, match="use_dot"):
         kernels.GemvConfig(block_n=8, block_k=32, use_dot=True)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+@pytest.mark.parametrize("rows,n,k", [(1, 40, 96), (3, 64, 200), (16, 24, 64)])
+def test_gemv_with_the_norm_in_its_prologue_matches_reference(rows, n, k, config_name, with_residual):
+    kernels = _kernels()
+    spec = CONFIGS[config_name]
+    config = kernels.GemvConfig(**spec) if spec else None
+    gen = generator(rows * n + k + 2)
+    x = randn(gen, rows, k + 8, dtype=DTYPE)[:, :k]  # row-strided
+    weight = randn(gen, n, k, dtype=DTYPE)
+    norm_weight = randn(gen, k, dtype=DTYPE)
+    residual = randn(gen, rows, k, dtype=DTYPE) if with_residual else None
+    bias = randn(gen, n, dtype=DTYPE) if rows % 2 else None
+    out = torch.full((rows, n), float("nan"), dtype=DTYPE, device=DEVICE)
+    total = torch.full((rows, k), float("nan"), dtype=DTYPE, device=DEVICE) if with_residual else None
+    kernels.gemv(
+        x, weight, bias, out=out, config=config, norm_weight=norm_weight, eps=1e-6, residual=residual,
+        residual_out=total,
+    )  # fmt: skip
+    expected, expected_total = rms_norm_gemv_ref(x, weight, norm_weight, 1e-6, residual, bias)
+    assert not out.isnan().any()
+    assert rel_error(out, expected) < max(tolerance(DTYPE), 1e-4)
+    if with_residual:
+        assert torch.equal(total, expected_total)
+
+
+def test_gemv_norm_arguments_are_checked():
+    kernels = _kernels()
+    x = torch.zeros(2, 32, dtype=DTYPE, device=DEVICE)
+    weight = torch.zeros(8, 32, dtype=DTYPE, device=DEVICE)
+    norm_weight = torch.ones(32, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="residual_out"):
+        kernels.gemv(x, weight, norm_weight=norm_weight, residual=x.clone())
+    with pytest.raises(ValueError, match="need norm_weight"):
+        kernels.gemv(x, weight, residual=x.clone(), residual_out=x.clone())
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        kernels.gemv(x, weight, norm_weight=norm_weight[:16])
+    with pytest.raises(ValueError, match="gated"):
+        kernels.gemv(
+            torch.zeros(2, 64, dtype=DTYPE, device=DEVICE), weight, norm_weight=norm_weight, gated=True
+        )
