@@ -8,7 +8,8 @@ counter) sums the partials in split order (deterministic) and writes the output.
 either a broadcast multiply-and-sum on the CUDA cores (``use_dot=False``, for 1-4 rows) or a tensor-core
 ``tl.dot`` with the rows padded to 16. With ``gated`` the input is a gated MLP's [gate | up] and the
 product is over silu(gate) * up, computed as the tiles load (the MLP's down projection without a
-separate activation kernel).
+separate activation kernel). With ``norm_weight`` the input is RMSNorm(x) or RMSNorm(x + residual),
+computed in each program from the whole row (a decoder layer's add + norm before its projection).
 
 The split-K counters live in one zeroed int32 buffer per device, created on the first split-K call
 (make that call before CUDA-graph capture) and left at zero after every call; launches that share it
@@ -114,9 +115,10 @@ def _load_input_tile(
 ):
     """The x tile [BLOCK_M, BLOCK_K] at k0 (zeros past k_stop); with GATED it is silu(gate) * up of the
     gate columns at k0 and the up columns at K + k0, rounded as the separate activation kernel rounds
-    (silu, then the product, to x's dtype). With NORM (see ``_norm_args``) it is RMSNorm(x) or
-    RMSNorm(x + residual), rounded as the norm kernels round, and the programs of the first column
-    block write x + residual."""
+    (silu, then the product, to x's dtype). With NORM it is RMSNorm(x) or RMSNorm(x + residual),
+    rounded as the norm kernels round, and the programs of the first column block write x + residual;
+    ``norm`` holds the residual's rows, the sum's rows, the norm weight, each row's 1 / RMS and whether
+    this program writes the sum."""
     ks = k0 + tl.arange(0, BLOCK_K)
     x_mask = row_mask[:, None]
     if not EVEN:
@@ -305,6 +307,9 @@ def _check_norm(x, k, gated, norm_weight, residual, residual_out) -> int:
     for name, t in (("residual", residual), ("residual_out", residual_out)):
         if t is None or t.shape != x.shape or t.dtype != x.dtype or t.stride(1) != 1:
             raise ValueError(f"gemv: {name} must be a {tuple(x.shape)} {x.dtype} tensor with stride(1) == 1")
+    # Every program reads x and residual whole; one writes the sum while the others may still read.
+    if residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
+        raise ValueError("gemv: residual_out must be a buffer of its own, not x or residual")
     return _NORM_ADD.value
 
 

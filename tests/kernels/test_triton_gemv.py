@@ -113,6 +113,9 @@ def test_gemv_norm_arguments_are_checked():
         kernels.gemv(x, weight, norm_weight=norm_weight, residual=x.clone())
     with pytest.raises(ValueError, match="need norm_weight"):
         kernels.gemv(x, weight, residual=x.clone(), residual_out=x.clone())
+    residual = x.clone()
+    with pytest.raises(ValueError, match="a buffer of its own"):
+        kernels.gemv(x, weight, norm_weight=norm_weight, residual=residual, residual_out=residual)
     with pytest.raises(ValueError, match="norm_weight must be"):
         kernels.gemv(x, weight, norm_weight=norm_weight[:16])
     with pytest.raises(ValueError, match="gated"):
