@@ -1154,43 +1154,27 @@ class MockDecodeStep:
         residual = torch.zeros_like(x)
         for layer in self.layers:
             K.elem.add_rms_norm(x, residual, layer["norm1"], EPS, pdl=pdl)
-            qkv = project(x, layer["qkv"])
-            paged = layer["paged"]
-            q, _, _ = K.elem.qk_norm_rope_store(
-                qkv,
-                self.positions,
-                self.cos_sin,
-                HEADS,
-                KV_HEADS,
-                HEAD_DIM,
-                layer["q_norm"],
-                layer["k_norm"],
-                EPS,
-                paged.k_cache,
-                paged.v_cache,
-                layer["slots"],
-                paged.k_scale,
-                paged.v_scale,
-                pdl=pdl,
-            )
-            attn = K.attn.paged_decode_attention(
-                q,
-                paged.k_cache,
-                paged.v_cache,
-                paged.block_tables,
-                paged.seq_lens,
-                HEAD_DIM**-0.5,
-                workspace=self.workspace,
-                pdl=pdl,
-                **paged.scales,
-            )
-            x = project(attn.view(self.batch, -1), layer["o"])
+            attn = self._attention(layer, project(x, layer["qkv"]), pdl)
+            x = project(attn, layer["o"])
             K.elem.add_rms_norm(x, residual, layer["norm2"], EPS, pdl=pdl)
             x = project_gated(project(x, layer["gate_up"]), layer["down"])
         K.elem.add_rms_norm(x, residual, self.final_norm, EPS, pdl=pdl)
         logits = project(x, self.lm_head)
         K.samp.gumbel_sample(logits, self.temperature, self.seeds, self.offsets, out=self.tokens, pdl=pdl)
         return logits
+
+    def _attention(self, layer: dict, qkv: torch.Tensor, pdl: bool) -> torch.Tensor:
+        """QK-norm, RoPE and the K/V store, then decode attention: [batch, heads * head_dim]."""
+        paged = layer["paged"]
+        q, _, _ = K.elem.qk_norm_rope_store(
+            qkv, self.positions, self.cos_sin, HEADS, KV_HEADS, HEAD_DIM, layer["q_norm"], layer["k_norm"],
+            EPS, paged.k_cache, paged.v_cache, layer["slots"], paged.k_scale, paged.v_scale, pdl=pdl,
+        )  # fmt: skip
+        attn = K.attn.paged_decode_attention(
+            q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5,
+            workspace=self.workspace, pdl=pdl, **paged.scales,
+        )  # fmt: skip
+        return attn.view(self.batch, -1)
 
     def _run_norm_in_gemv(self, pdl: bool) -> torch.Tensor:
         x = self.hidden.clone()
@@ -1205,18 +1189,8 @@ class MockDecodeStep:
             return out
 
         for layer in self.layers:
-            qkv = normed_project(x, layer["qkv"], layer["norm1"])
-            paged = layer["paged"]
-            q, _, _ = K.elem.qk_norm_rope_store(
-                qkv, self.positions, self.cos_sin, HEADS, KV_HEADS, HEAD_DIM, layer["q_norm"],
-                layer["k_norm"], EPS, paged.k_cache, paged.v_cache, layer["slots"], paged.k_scale,
-                paged.v_scale, pdl=pdl,
-            )  # fmt: skip
-            attn = K.attn.paged_decode_attention(
-                q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5,
-                workspace=self.workspace, pdl=pdl, **paged.scales,
-            )  # fmt: skip
-            x = K.gemv.gemv(attn.view(self.batch, -1), layer["o"], pdl=pdl)
+            attn = self._attention(layer, normed_project(x, layer["qkv"], layer["norm1"]), pdl)
+            x = K.gemv.gemv(attn, layer["o"], pdl=pdl)
             gate_up = normed_project(x, layer["gate_up"], layer["norm2"])
             x = K.gemv.gemv(gate_up, layer["down"], pdl=pdl, gated=True)
         logits = normed_project(x, self.lm_head, self.final_norm)
