@@ -101,6 +101,13 @@ def _load_weight_tile(w_rows, k0, k_stop, col_mask, BLOCK_K: tl.constexpr, EVEN:
 
 
 @triton.jit
+def _add_residual(x, res_rows, ks, mask):
+    """x + the residual's tile at columns ks, rounded to x's dtype (as add_rms_norm rounds the sum)."""
+    residual = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
+    return (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def _load_input_tile(
     x_rows,
     k0,
@@ -132,8 +139,7 @@ def _load_input_tile(
     if NORM != _NORM_NONE:
         res_rows, res_out_rows, norm_weight_ptr, rstd, write_sum = norm
         if NORM == _NORM_ADD:
-            residual = tl.load(res_rows + ks[None, :], mask=x_mask, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+            x = _add_residual(x, res_rows, ks, x_mask)
             tl.store(res_out_rows + ks[None, :], x, mask=x_mask & write_sum)
         weight = tl.load(norm_weight_ptr + ks, mask=ks < k_stop, other=0.0).to(tl.float32)
         normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
@@ -152,31 +158,10 @@ def _norm_rstd(x_rows, res_rows, K, eps, row_mask, BLOCK_M: tl.constexpr, BLOCK_
         mask = row_mask[:, None] & (ks < K)[None, :]
         x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
         if NORM == _NORM_ADD:
-            residual = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+            x = _add_residual(x, res_rows, ks, mask)
         xf = x.to(tl.float32)
         sum_sq += tl.sum(xf * xf, axis=1)
     return tl.math.rsqrt(sum_sq / K + eps)
-
-
-@triton.jit
-def _load_tiles(
-    w_rows,
-    x_rows,
-    k0,
-    k_stop,
-    K,
-    col_mask,
-    row_mask,
-    norm,
-    BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr,
-    GATED: tl.constexpr,
-    NORM: tl.constexpr,
-):
-    """The weight tile and the x tile at k0."""
-    w = _load_weight_tile(w_rows, k0, k_stop, col_mask, BLOCK_K, EVEN)
-    return w, _load_input_tile(x_rows, k0, k_stop, K, row_mask, norm, BLOCK_K, EVEN, GATED, NORM)
 
 
 @triton.jit
@@ -244,9 +229,8 @@ def _gemv_kernel(
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         # Triton pipelines these loads through shared memory (num_stages).
         for k0 in range(k_start + BLOCK_K, k_stop, BLOCK_K):
-            w, x = _load_tiles(
-                w_rows, x_rows, k0, k_stop, K, col_mask, row_mask, norm, BLOCK_K, EVEN, GATED, NORM
-            )
+            w = _load_weight_tile(w_rows, k0, k_stop, col_mask, BLOCK_K, EVEN)
+            x = _load_input_tile(x_rows, k0, k_stop, K, row_mask, norm, BLOCK_K, EVEN, GATED, NORM)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
         # Loads that do not feed a dot are not pipelined by Triton: the next tile is requested before
@@ -254,10 +238,10 @@ def _gemv_kernel(
         # elementwise and reduces once at the end; more rows reduce every tile (registers).
         acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
-            w_next, x_next = _load_tiles(
-                w_rows, x_rows, k0 + BLOCK_K, k_stop, K, col_mask, row_mask, norm, BLOCK_K, False, GATED,
-                NORM,
-            )  # fmt: skip
+            w_next = _load_weight_tile(w_rows, k0 + BLOCK_K, k_stop, col_mask, BLOCK_K, False)
+            x_next = _load_input_tile(
+                x_rows, k0 + BLOCK_K, k_stop, K, row_mask, norm, BLOCK_K, False, GATED, NORM
+            )
             if BLOCK_M == 1:
                 acc_k += w.to(tl.float32) * x.to(tl.float32)
             else:
