@@ -46,10 +46,15 @@ def triton_kernels(pdl: bool = True) -> LayerKernels:
     from nanoinfer.kernels import triton_elementwise as kernels  # Triton is imported only on CUDA
     from nanoinfer.kernels import triton_gemv
 
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def gemv_config(x: torch.Tensor, weight: torch.Tensor) -> triton_gemv.GemvConfig | None:
         # Small batches read the weights once: a GEMV kernel where it measured faster than cuBLAS.
-        config = triton_gemv.preferred_config(x.shape[0], weight.shape[0], weight.shape[1])
-        if config is None or x.dim() != 2 or x.stride(1) != 1:
+        if x.dim() != 2 or x.stride(1) != 1:
+            return None
+        return triton_gemv.preferred_config(x.shape[0], weight.shape[0], weight.shape[1])
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        config = gemv_config(x, weight)
+        if config is None:
             return F.linear(x, weight, bias)
         return triton_gemv.gemv(x, weight, bias, config=config, pdl=pdl)
 
@@ -57,8 +62,8 @@ def triton_kernels(pdl: bool = True) -> LayerKernels:
         x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         # Where the projection runs as a GEMV, the activation is computed as its input loads.
-        config = triton_gemv.preferred_config(x.shape[0], weight.shape[0], weight.shape[1])
-        if config is None or x.dim() != 2 or x.stride(1) != 1:
+        config = gemv_config(x, weight)
+        if config is None:
             return F.linear(kernels.silu_and_mul(x, pdl=pdl), weight, bias)
         return triton_gemv.gemv(x, weight, bias, config=config, pdl=pdl, gated=True)
 
