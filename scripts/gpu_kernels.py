@@ -457,6 +457,16 @@ def decode_configs(quick: bool) -> dict:
     return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32")} if quick else configs
 
 
+def decode_reference(config, query, paged, seq_lens, scale) -> torch.Tensor:
+    """The reference of one decode call on ``paged``; with fp8_queries the kernel attends with e4m3
+    queries, and so does the reference."""
+    query = K.aref.quantize_queries_ref(query) if config.fp8_queries else query
+    qsl = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=DEVICE)
+    return K.aref.paged_attention_ref(
+        query, paged.k_cache, paged.v_cache, qsl, seq_lens, paged.block_tables, scale, **paged.scales
+    )
+
+
 def check_decode(
     gen, head_dim, block_size, group, batch, max_ctx, num_kv_heads, config_name, config, fp8=False
 ):
@@ -471,19 +481,7 @@ def check_decode(
     scale = head_dim**-0.5
     args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale)
     K.attn.paged_decode_attention(*args, out=out, config=config, **paged.scales)
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
-    # With fp8_queries the kernel attends with e4m3 queries: so does the reference.
-    query_ref = K.aref.quantize_queries_ref(query) if config.fp8_queries else query
-    expected = K.aref.paged_attention_ref(
-        query_ref,
-        paged.k_cache,
-        paged.v_cache,
-        qsl,
-        paged.seq_lens,
-        paged.block_tables,
-        scale,
-        **paged.scales,
-    )
+    expected = decode_reference(config, query, paged, paged.seq_lens, scale)
     splits = K.attn.decode_num_splits(
         batch, num_kv_heads, paged.block_tables.shape[1] * block_size, num_sms(), config
     )
@@ -523,7 +521,6 @@ def check_decode_graph(gen, config_name, config, fp8=False, pdl=False):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     worst, ok = 0.0, True
     for _ in range(4):
         new = torch.randint(0, 2049, (batch,), generator=gen, device=DEVICE).int()
@@ -532,17 +529,7 @@ def check_decode_graph(gen, config_name, config, fp8=False, pdl=False):
         query.copy_(torch.randn(query.shape, generator=gen, device=DEVICE))
         out.fill_(float("nan"))
         graph.replay()
-        query_ref = K.aref.quantize_queries_ref(query) if config.fp8_queries else query
-        expected = K.aref.paged_attention_ref(
-            query_ref,
-            paged.k_cache,
-            paged.v_cache,
-            qsl,
-            lens,
-            paged.block_tables,
-            head_dim**-0.5,
-            **paged.scales,
-        )
+        expected = decode_reference(config, query, paged, lens, head_dim**-0.5)
         err = rel_error(out, expected)
         worst = max(worst, err)
         ok = ok and not bool(out.isnan().any()) and err < TOLERANCE and bool((out[0] == 0).all())
