@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -219,9 +220,10 @@ def run(args: argparse.Namespace) -> int:
                 "output_tok_per_s": round(output_tokens / elapsed, 1),
                 "startup_s": round(startup_s, 1),
                 # Wall time of the first pass's steps that computed at least 8192 prompt tokens.
-                "large_prefill_steps_ms": [round(ms, 1) for tokens, ms in steps if tokens >= 8192],
+                "large_prefill_steps_ms": [round(s.ms, 1) for s in steps if s.tokens >= 8192],
             }
         )
+        recorded_steps = steps
         print(
             f"async_scheduling={passes[-1]['async_scheduling']}: Total: {output_tokens} tok, "
             f"Time: {elapsed:.2f}s, Throughput: {output_tokens / elapsed:.2f} tok/s"
@@ -258,6 +260,9 @@ def run(args: argparse.Namespace) -> int:
         result["prefill_step_ms"] = prefill_step_time(llm)
     if args.bound:
         result["bound"] = physical_bound(llm, prompts, max_tokens)
+    runner = llm.llm_engine.engine_core.executor.runner
+    bandwidth = result["bound"]["copy_bandwidth_TBps"] * 1e12 if args.bound else None
+    result["step_times"] = step_time_summary(recorded_steps, *_bytes_read(runner), bandwidth)
     if args.hf_compare:
         result["hf_compare"] = compare_with_transformers(llm, model, prompts, max_tokens, args)
     if args.hf_cb:
@@ -431,18 +436,29 @@ def _host_phases(llm):
             setattr(owner, name, original)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One engine step of the workload: what it computed and its wall time."""
+
+    tokens: int  # scheduled tokens (prompt and decode)
+    rows: int  # scheduled sequences
+    context_tokens: int  # KV positions the step's attention reads (cached plus computed)
+    ms: float
+
+
 @contextlib.contextmanager
 def _recorded_steps(llm):
-    """Yields a list that fills with (scheduled tokens, wall ms) per engine step. With async scheduling a
-    step's result is awaited by the next call, so a call's time is charged to the step before it."""
+    """Yields a list that fills with a StepRecord per engine step. With async scheduling a step's result
+    is awaited by the next call, so a call's time is charged to the step before it."""
     core = llm.llm_engine.engine_core
-    record: list[tuple[int, float]] = []
-    scheduled: list[int] = []
+    record: list[StepRecord] = []
+    scheduled: list[tuple[int, int, int]] = []
     schedule, step = core.scheduler.schedule, core.step
 
     def timed_schedule():
         out = schedule()
-        scheduled.append(out.num_scheduled_tokens)
+        context = sum(r.start_pos + r.num_tokens for r in out.scheduled)
+        scheduled.append((out.num_scheduled_tokens, len(out.scheduled), context))
         return out
 
     def timed_step():
@@ -450,7 +466,7 @@ def _recorded_steps(llm):
         outputs = step()
         lag = 2 if core.async_scheduling else 1
         if len(scheduled) >= lag:
-            record.append((scheduled[-lag], (time.perf_counter() - started) * 1e3))
+            record.append(StepRecord(*scheduled[-lag], (time.perf_counter() - started) * 1e3))
         return outputs
 
     core.scheduler.schedule, core.step = timed_schedule, timed_step
@@ -458,6 +474,35 @@ def _recorded_steps(llm):
         yield record
     finally:
         core.scheduler.schedule, core.step = schedule, step
+
+
+# Decode-only steps grouped by batch size (upper bounds, inclusive); prompt-carrying steps apart.
+STEP_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024)
+
+
+def step_time_summary(
+    steps: list[StepRecord], weight_bytes: int, kv_bytes_per_token: int, copy_bandwidth: float | None
+) -> dict[str, dict[str, float]]:
+    """Where the workload's wall time goes: per group of steps their count, wall time, and the bytes a
+    step must read (weights once plus the KV it attends over); with the copy bandwidth, those bytes'
+    time, so each group's distance from the bound shows. Prompt-carrying steps ("prompt") are
+    compute-bound: their bytes understate them."""
+    names = ["decode 1"] + [f"decode {lo + 1}-{hi}" for lo, hi in zip(STEP_BUCKETS, STEP_BUCKETS[1:])]
+    groups: dict[str, dict[str, float]] = {}
+    for s in steps:
+        if s.tokens > s.rows:
+            name = "prompt"
+        else:
+            name = names[next((i for i, b in enumerate(STEP_BUCKETS) if s.rows <= b), len(names) - 1)]
+        g = groups.setdefault(name, {"steps": 0, "ms": 0.0, "GB": 0.0})
+        g["steps"] += 1
+        g["ms"] += s.ms
+        g["GB"] += (weight_bytes + s.context_tokens * kv_bytes_per_token) / 1e9
+    for g in groups.values():
+        if copy_bandwidth:
+            g["bytes_ms"] = round(g["GB"] * 1e9 / copy_bandwidth * 1e3, 1)
+        g["ms"], g["GB"] = round(g["ms"], 1), round(g["GB"], 2)
+    return {name: groups[name] for name in [*names, "prompt"] if name in groups}
 
 
 def _kernel_category(name: str) -> str:
@@ -680,14 +725,19 @@ def transformers_continuous_batching(
     }
 
 
+def _bytes_read(runner) -> tuple[int, int]:
+    """The model's weight bytes and the KV cache's bytes per token (every layer, K and V)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    return weight_bytes, runner.kv_block_bytes // runner.block_size
+
+
 def physical_bound(llm, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, float]:
     """Lower bound on the workload's time: each decode step reads the weights once plus every active
     sequence's KV at the measured copy bandwidth; prefill does its FLOPs at the measured bf16 matmul rate."""
     import torch
 
     runner = llm.llm_engine.engine_core.executor.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_per_token = runner.kv_block_bytes // runner.block_size
+    weight_bytes, kv_per_token = _bytes_read(runner)
     num_params = sum(p.numel() for p in runner.model.parameters())
 
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -801,6 +851,9 @@ def _print_table(result: dict[str, Any]) -> None:
                 f"{result['hf_compare']['speedup']}x",
             )
         )
+    for name, g in result.get("step_times", {}).items():
+        bytes_time = f", bytes {g['bytes_ms']} ms" if "bytes_ms" in g else ""
+        rows.append((f"steps: {name}", f"{g['steps']} steps, {g['ms']} ms{bytes_time}"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -38,3 +38,18 @@ def test_single_sequence_latency_prefills_every_prompt(tmp_path):
         assert {"ttft_ms", "tpot_ms"} <= first.keys()  # timings: not asserted (a noisy CPU)
     finally:
         llm.close()
+
+
+def test_step_time_summary_groups_steps_and_counts_their_bytes():
+    steps = [
+        throughput.StepRecord(tokens=1, rows=1, context_tokens=600, ms=1.0),
+        throughput.StepRecord(tokens=200, rows=200, context_tokens=200_000, ms=8.0),
+        throughput.StepRecord(tokens=180, rows=180, context_tokens=100_000, ms=6.0),
+        throughput.StepRecord(tokens=4096, rows=5, context_tokens=4096, ms=30.0),
+    ]
+    summary = throughput.step_time_summary(steps, weight_bytes=1000, kv_bytes_per_token=10, copy_bandwidth=1e9)
+    assert list(summary) == ["decode 1", "decode 129-256", "prompt"]
+    assert summary["decode 129-256"]["steps"] == 2 and summary["decode 129-256"]["ms"] == 14.0
+    # (2 x 1000 weight bytes + 300,000 tokens x 10 bytes) at 1 GB/s
+    assert summary["decode 129-256"]["bytes_ms"] == round(3_002_000 / 1e9 * 1e3, 1)
+    assert "bytes_ms" not in throughput.step_time_summary(steps, 1000, 10, None)["prompt"]
