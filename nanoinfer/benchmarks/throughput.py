@@ -251,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         result["decode_step_profile"] = profile_decode_step(llm)
         result["decode_step_profile_batch1"] = profile_decode_step(llm, batch=1, context=600)
+        # The workload's tail: few sequences, long contexts.
+        result["decode_step_profile_tail"] = profile_decode_step(llm, batch=16, context=1536)
         result["mixed_step_profile"] = profile_decode_step(llm, batch=128, context=600, prompt_per_step=1024)
         result["eager_mixed_and_prefill"] = _eager_mixed_and_prefill(llm)
         result["graph_replay_ms"] = graph_replay_times(llm)
@@ -263,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
     runner = llm.llm_engine.engine_core.executor.runner
     bandwidth = result["bound"]["copy_bandwidth_TBps"] * 1e12 if args.bound else None
     result["step_times"] = step_time_summary(recorded_steps, *_bytes_read(runner), bandwidth)
+    # Every step of the last pass: [scheduled tokens, rows, context tokens, wall ms].
+    result["step_records"] = [[s.tokens, s.rows, s.context_tokens, round(s.ms, 2)] for s in recorded_steps]
     if args.hf_compare:
         result["hf_compare"] = compare_with_transformers(llm, model, prompts, max_tokens, args)
     if args.hf_cb:
@@ -315,16 +319,17 @@ def profile_decode_step(
     """Where the time of one decode step goes at ``batch`` sequences of ``context`` tokens: GPU kernels
     by category (from the profiler) and the host-side remainder (scheduling, input prep, sampling glue).
     With ``prompt_per_step`` each step also prefills a new prompt of that many tokens (a mixed step).
-    The prompts follow from ``seed``: two mixed profiles of one engine need different seeds, or the
-    second one's prompts are prefix-cache hits (``cached_prompt_tokens`` says)."""
-    import torch
+    The prompts follow from ``seed`` and the shape (one stream of the same seed would repeat the token
+    runs of another profile's prompts, block-aligned: prefix-cache hits): the same shape profiled twice
+    on one engine needs another seed (``cached_prompt_tokens`` says how many prompt tokens were hits)."""
     from torch.profiler import ProfilerActivity, profile
 
     from nanoinfer import SamplingParams
     from nanoinfer.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
-    rng = random.Random(seed)
+    on_cuda = llm.llm_engine.config.device == "cuda"
+    rng = random.Random(f"{seed}-{batch}-{context}-{prompt_per_step}")
     # Final-only outputs, as LLM.generate uses: the profile is of the offline benchmark's step.
     params = SamplingParams(
         temperature=0.6, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
@@ -335,7 +340,7 @@ def profile_decode_step(
         engine.step()
     for _ in range(3):
         engine.step()
-    torch.cuda.synchronize()
+    _synchronize(on_cuda)
     steps = 10
     extra = iter(range(1 << 30))
     one_token = SamplingParams(temperature=0.6, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -354,12 +359,13 @@ def profile_decode_step(
         started = time.perf_counter()
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        _synchronize(on_cuda)
         step_ms = (time.perf_counter() - started) / steps * 1e3
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        _synchronize(on_cuda)
     categories: dict[str, float] = {}
     num_kernels = 0
     for event in prof.key_averages():

@@ -53,3 +53,18 @@ def test_step_time_summary_groups_steps_and_counts_their_bytes():
     # (2 x 1000 weight bytes + 300,000 tokens x 10 bytes) at 1 GB/s
     assert summary["decode 129-256"]["bytes_ms"] == round(3_002_000 / 1e9 * 1e3, 1)
     assert "bytes_ms" not in throughput.step_time_summary(steps, 1000, 10, None)["prompt"]
+
+
+def test_decode_profiles_of_one_engine_never_hit_the_prefix_cache(tmp_path):
+    # The benchmark's order: a decode profile, then a mixed one whose per-step prompts, drawn from the
+    # same seed's stream, were block-aligned copies of the first profile's prompts.
+    llm = _engine(tmp_path)
+    try:
+        throughput.profile_decode_step(llm, batch=4, context=64)
+        mixed = throughput.profile_decode_step(llm, batch=2, context=32, prompt_per_step=64)
+        assert mixed["cached_prompt_tokens"] == 0
+        # The count sees hits: the same mixed profile again finds its prompts cached.
+        again = throughput.profile_decode_step(llm, batch=2, context=32, prompt_per_step=64)
+        assert again["cached_prompt_tokens"] > 0
+    finally:
+        llm.close()
