@@ -493,7 +493,8 @@ def step_time_summary(
     step must read (weights once plus the KV it attends over); with the copy bandwidth, those bytes'
     time, so each group's distance from the bound shows. Prompt-carrying steps ("prompt") are
     compute-bound: their bytes understate them."""
-    names = ["decode 1"] + [f"decode {lo + 1}-{hi}" for lo, hi in zip(STEP_BUCKETS, STEP_BUCKETS[1:])]
+    bounds = zip(STEP_BUCKETS, STEP_BUCKETS[1:], strict=False)
+    names = ["decode 1"] + [f"decode {lo + 1}-{hi}" for lo, hi in bounds]
     groups: dict[str, dict[str, float]] = {}
     for s in steps:
         if s.tokens > s.rows:

@@ -47,7 +47,9 @@ def test_step_time_summary_groups_steps_and_counts_their_bytes():
         throughput.StepRecord(tokens=180, rows=180, context_tokens=100_000, ms=6.0),
         throughput.StepRecord(tokens=4096, rows=5, context_tokens=4096, ms=30.0),
     ]
-    summary = throughput.step_time_summary(steps, weight_bytes=1000, kv_bytes_per_token=10, copy_bandwidth=1e9)
+    summary = throughput.step_time_summary(
+        steps, weight_bytes=1000, kv_bytes_per_token=10, copy_bandwidth=1e9
+    )
     assert list(summary) == ["decode 1", "decode 129-256", "prompt"]
     assert summary["decode 129-256"]["steps"] == 2 and summary["decode 129-256"]["ms"] == 14.0
     # (2 x 1000 weight bytes + 300,000 tokens x 10 bytes) at 1 GB/s
