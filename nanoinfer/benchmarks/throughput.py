@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         prompts, params = workload_from_args(args, llm.llm_engine.config.hf_config.vocab_size)
         max_tokens = [p.max_tokens for p in params]
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-        with _recorded_steps(llm) as steps:
+        with _recorded_steps(llm) as steps, _gc_pauses() as gc_pauses:
             started = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - started
@@ -221,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
                 "startup_s": round(startup_s, 1),
                 # Wall time of the first pass's steps that computed at least 8192 prompt tokens.
                 "large_prefill_steps_ms": [round(s.ms, 1) for s in steps if s.tokens >= 8192],
+                "gc_pauses_ms": gc_pauses,
             }
         )
         recorded_steps = steps
@@ -480,6 +482,30 @@ def _recorded_steps(llm):
         yield record
     finally:
         core.scheduler.schedule, core.step = schedule, step
+
+
+@contextlib.contextmanager
+def _gc_pauses():
+    """Yields a dict that fills with the garbage collector's pauses by generation: [count, total ms, max
+    ms] (a collection stalls the step it falls in)."""
+    pauses: dict[str, list[float]] = {}
+    started: list[float] = []
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+            return
+        ms = (time.perf_counter() - started.pop()) * 1e3
+        entry = pauses.setdefault(f"gen{info['generation']}", [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] = round(entry[1] + ms, 2)
+        entry[2] = round(max(entry[2], ms), 2)
+
+    gc.callbacks.append(on_collection)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(on_collection)
 
 
 # Decode-only steps grouped by batch size (upper bounds, inclusive); prompt-carrying steps apart.

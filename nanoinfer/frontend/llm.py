@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -12,6 +13,7 @@ from tqdm.auto import tqdm
 
 from nanoinfer.frontend.input_processor import PromptType, render_chat
 from nanoinfer.frontend.llm_engine import LLMEngine
+from nanoinfer.heap import freeze_heap
 from nanoinfer.models.checkpoint import load_chat_template
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -25,6 +27,7 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any):
         self.llm_engine = LLMEngine.from_kwargs(model, **kwargs)
         self._request_ids = count()
+        freeze_heap()
 
     def __enter__(self) -> LLM:
         return self
@@ -34,6 +37,8 @@ class LLM:
 
     def close(self) -> None:
         self.llm_engine.close()
+        # The engine's objects were frozen with the rest: collectable again, now that they are garbage.
+        gc.unfreeze()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
