@@ -302,10 +302,14 @@ class ModelRunner:
         # Many decode rows beside a prompt: the decode kernel without splits (a full grid).
         self._dummy_step(cfg.max_num_seqs + 32, cfg.max_num_seqs)
         hidden = torch.zeros(1, cfg.hf_config.hidden_size, dtype=self.dtype, device=device)
-        for batch in (1, 4, 16, 64, cfg.max_num_seqs):
+        sampler_batches = {1, 4, 16, 64, cfg.max_num_seqs}
+        # The vocabulary projection runs outside the graphs at the step's exact row count, and cuBLAS
+        # picks its kernel by shape: a kernel used for the first time is loaded then (H200: an 8 ms
+        # stall at each of 17 row counts of the benchmark's ramp-down), so every row count runs once.
+        for batch in range(1, cfg.max_num_seqs + 1):
             # A collective under tensor parallelism (every rank joins); None on the workers.
             logits = self.model.compute_logits(hidden.expand(batch, -1).contiguous())
-            if logits is None:
+            if logits is None or batch not in sampler_batches:
                 continue
             params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)] * batch
             metadata = SamplingMetadata.from_params(params[:batch], list(range(batch)), [0] * batch, device)
