@@ -65,16 +65,6 @@ def store_kvcache_ref(
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = _to_cache_dtype(value[valid], v_cache, v_scale)
 
 
-def quantize_queries_ref(query: torch.Tensor) -> torch.Tensor:
-    """``query`` [..., head_dim] as the decode kernel's FP8 queries (``DecodeConfig.fp8_queries``) see it,
-    in float32: each row scaled by its own absolute maximum over 448, rounded to e4m3, scaled back (a
-    row of zeros stays zeros)."""
-    q = query.float()
-    scale = q.abs().amax(dim=-1, keepdim=True) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (q / scale).to(FP8_DTYPE).float() * scale
-
-
 def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` tokens of one sequence, contiguous: [seq_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]

@@ -43,10 +43,7 @@ class DecodeConfig:
     length, at least ``min_split_tiles`` key tiles per split, and a sequence that needs one split
     writes its output directly) or ``"merge_kernel"`` (every grid split writes a partial and a second
     kernel merges them: the default, see ``default_decode_config``). The grid's split count aims at
-    ``target_programs_per_sm`` programs per SM, at most ``max_splits``. ``fp8_queries`` (FP8 caches
-    only): each query row is scaled by its own absolute maximum and rounded to e4m3, so that the
-    query-key product runs on the FP8 tensor cores straight from the cache's bytes (the rows padded to
-    64, the tile height of Hopper's FP8 instruction); the probability-value product stays in float16.
+    ``target_programs_per_sm`` programs per SM, at most ``max_splits``.
     """
 
     mode: str = "fused"
@@ -56,7 +53,6 @@ class DecodeConfig:
     min_split_tiles: int = 1
     target_programs_per_sm: int = 4
     max_splits: int = 64
-    fp8_queries: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("fused", "merge_kernel"):
@@ -82,8 +78,6 @@ FUSED_DECODE = DecodeConfig()
 FP8_DECODE = DecodeConfig(block_n=32)
 FP8_FULL_GRID_DECODE = DecodeConfig(block_n=32, num_warps=1, num_stages=2)
 _FULL_GRID_PROGRAMS_PER_SM = 12
-# Query rows of a program with fp8_queries: Hopper's FP8 tensor-core instruction (wgmma) is 64 rows tall.
-_FP8_QUERY_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -324,11 +318,9 @@ def _decode_range(
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PV_FLOAT16: tl.constexpr,
 ):
     """Online softmax of the query rows ``q`` [BLOCK_G, D] over keys [start, end): (acc, m, l) with
-    scores in log2 units (``qk_scale``: a scalar or one per row, [BLOCK_G, 1]); the probabilities
-    multiply the values in q's dtype, or with ``PV_FLOAT16`` in float16. An empty range gives l == 0."""
+    scores in log2 units. An empty range gives l == 0."""
     dims = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -355,11 +347,7 @@ def _decode_range(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PV_FLOAT16:
-            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return acc, m_i, l_i
 
@@ -457,7 +445,6 @@ def _decode_kernel(
     BLOCK_S: tl.constexpr,
     MODE: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
-    FP8_QUERIES: tl.constexpr,
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -495,15 +482,8 @@ def _decode_kernel(
             mask=row_mask[:, None],
             other=0.0,
         )
+        q = _matmul_dtype(q, k_cache_ptr)
         qk_scale = scale_log2 * _load_scale(k_scale_ptr, K_SCALED)
-        if FP8_QUERIES:
-            q = q.to(tl.float32)
-            q_scale = tl.max(tl.abs(q), axis=1) / _FP8_MAX
-            q_scale = tl.where(q_scale > 0.0, q_scale, 1.0)
-            q = (q / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
-            qk_scale = (qk_scale * q_scale)[:, None]
-        else:
-            q = _matmul_dtype(q, k_cache_ptr)
         acc, m_i, l_i = _decode_range(
             q,
             k_cache_ptr + kv_head * stride_kch,
@@ -520,7 +500,6 @@ def _decode_kernel(
             HEAD_DIM,
             BLOCK_G,
             BLOCK_N,
-            FP8_QUERIES,
         )
         # Empty ranges (seq_len 0, or a split past the end) give l_i == 0: output 0, lse -inf.
         has_keys = l_i > 0.0
@@ -699,11 +678,6 @@ def paged_decode_attention(
         return out
     num_sms = _num_sms(query.device)
     config = config or default_decode_config(batch, num_kv_heads, k_cache.dtype, num_sms)
-    if config.fp8_queries and (k_cache.dtype != FP8_DTYPE or group > _FP8_QUERY_ROWS):
-        raise ValueError(
-            f"DecodeConfig.fp8_queries needs an FP8 cache and at most {_FP8_QUERY_ROWS} query heads per kv "
-            f"head, got a {k_cache.dtype} cache and {group}"
-        )
     query = _last_dim_contiguous(query)
     block_tables = _last_dim_contiguous(block_tables)
     max_context = block_tables.shape[1] * block_size
@@ -789,12 +763,11 @@ def _launch_decode(
         stride_oh=out.stride(1),
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
-        BLOCK_G=_FP8_QUERY_ROWS if config.fp8_queries else _group_block(group),
+        BLOCK_G=_group_block(group),
         BLOCK_N=config.block_n,
         BLOCK_S=block_s,
         MODE=mode,
         MIN_SPLIT_TILES=config.min_split_tiles,
-        FP8_QUERIES=config.fp8_queries,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -3,12 +3,7 @@
 import pytest
 import torch
 
-from nanoinfer.kernels.attention_ref import (
-    FP8_DTYPE,
-    paged_attention_ref,
-    quantize_queries_ref,
-    store_kvcache_ref,
-)
+from nanoinfer.kernels.attention_ref import FP8_DTYPE, paged_attention_ref, store_kvcache_ref
 from tests.kernels.helpers import (
     DEVICE,
     DTYPE,
@@ -152,49 +147,6 @@ def test_paged_decode_matches_reference(
     assert rel_error(out, ref) < _attention_tolerance(DTYPE)
     assert torch.equal(out[lens == 0], torch.zeros_like(out[lens == 0]))
     assert not workspace.counters.any(), "the fused merge must leave its counters at zero"
-
-
-@pytest.mark.parametrize("mode", ["fused", "merge_kernel"])
-@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", DECODE_CASES)
-def test_paged_decode_with_fp8_queries_matches_reference(
-    seq_lens, num_heads, num_kv_heads, head_dim, block_size, mode
-):
-    """Against an FP8 cache with fp8_queries: the reference attends with each query row rounded to
-    e4m3 under its own scale, as the kernel's query-key product sees it."""
-    kernels = _kernels()
-    config = kernels.DecodeConfig(mode=mode, block_n=32, fp8_queries=True)
-    gen = generator(len(seq_lens) * 1000 + block_size + 1)
-    batch = len(seq_lens)
-    tables, num_blocks = random_tables(gen, seq_lens, block_size)
-    scales = fp8_scales(0.5, 0.25)
-    k_cache, v_cache = random_cache(gen, num_blocks, block_size, num_kv_heads, head_dim, DTYPE, scales)
-    query, _, _ = _qkv_views(gen, batch, num_heads, num_kv_heads, head_dim, DTYPE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    scale = head_dim**-0.5
-    out = torch.full((batch, num_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE)
-    kernels.paged_decode_attention(
-        query, k_cache, v_cache, tables, lens, scale, out=out, k_scale=scales[0], v_scale=scales[1],
-        config=config,
-    )  # fmt: skip
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
-    quantized = quantize_queries_ref(query)
-    ref = paged_attention_ref(quantized, k_cache, v_cache, qsl, lens, tables, scale, *scales)
-    assert not out.isnan().any()
-    assert rel_error(out, ref) < _attention_tolerance(DTYPE)
-    assert torch.equal(out[lens == 0], torch.zeros_like(out[lens == 0]))
-
-
-def test_fp8_queries_need_an_fp8_cache():
-    kernels = _kernels()
-    gen = generator(5)
-    tables, num_blocks = random_tables(gen, [20], 16)
-    k_cache, v_cache = random_cache(gen, num_blocks, 16, 2, 64, DTYPE)
-    query = randn(gen, 1, 4, 64, dtype=DTYPE)
-    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="fp8_queries needs an FP8 cache"):
-        kernels.paged_decode_attention(
-            query, k_cache, v_cache, tables, lens, 0.125, config=kernels.DecodeConfig(fp8_queries=True)
-        )
 
 
 def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
