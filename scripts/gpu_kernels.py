@@ -60,7 +60,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, LAYERS, EPS = 1024, 16, 8, 128,
 # decode step's batches and context; the sampler's batches.
 DECODE_SHAPES = [(1, 600), (8, 600), (64, 1024), (256, 1024)]
 PREFILL_BATCH = {"total": 16384, "count": 29, "low": 100, "high": 1024}
-MOCK_STEP_BATCHES, MOCK_STEP_CONTEXT = (1, 16), 600
+MOCK_STEP_BATCHES, MOCK_STEP_CONTEXT = (1, 16, 64, 256), 600
 SAMPLER_BATCHES = (1, 256)
 PROJECTIONS = {  # name: (N, K) of the weight [N, K]
     "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
@@ -334,7 +334,7 @@ def check_sampler(gen, batches=(1, 7, 256)):
 def check_gemv(gen):
     for name, (n, k) in PROJECTIONS.items():
         weight = randn(gen, n, k, scale=0.05)
-        for m in (1, 2, 4, 8, 16):
+        for m in (1, 2, 4, 8, 16, 40, 200):
             x = randn(gen, m, k)
             out = poison(m, n)
             K.gemv.gemv(x, weight, out=out)
@@ -360,18 +360,6 @@ def check_gemv(gen):
             K.gref.silu_mul_gemv_ref(gate_up, weight),
             str(config),
         )
-    for m in (1, 4, 16):
-        # The add + RMSNorm before the qkv projection computed in its prologue.
-        n, k = PROJECTIONS["qkv"]
-        x, residual, weight = randn(gen, m, k), randn(gen, m, k), randn(gen, n, k, scale=0.05)
-        norm_weight = randn(gen, k).abs()
-        out, total = poison(m, n), poison(m, k)
-        K.gemv.gemv(
-            x, weight, out=out, norm_weight=norm_weight, eps=EPS, residual=residual, residual_out=total
-        )
-        expected, expected_total = K.gref.rms_norm_gemv_ref(x, weight, norm_weight, EPS, residual)
-        check_close("gemv_norm", {"proj": "qkv", "M": m}, out, expected)
-        record("gemv_norm_sum", {"proj": "qkv", "M": m}, bool(torch.equal(total, expected_total)))
     check_gemv_pdl_chain(gen)
     weight, bias = randn(gen, 300, 96), randn(gen, 300)
     for config in (None, K.gemv.GemvConfig(16, 32, 3, True), K.gemv.GemvConfig(8, 32, 2)):
@@ -447,20 +435,12 @@ def decode_configs(quick: bool) -> dict:
         "fused_n128_w8": K.attn.DecodeConfig(block_n=128, num_warps=8),
         "fused_n32_w1_s2": K.attn.DecodeConfig(block_n=32, num_warps=1, num_stages=2),
         "fused_n16_w1_s4": K.attn.DecodeConfig(block_n=16, num_warps=1, num_stages=4),
-        # FP8 caches only: e4m3 queries, the query-key product on the FP8 tensor cores (64-row tiles).
-        "fp8q_n32": K.attn.DecodeConfig(block_n=32, fp8_queries=True),
-        "fp8q_n64": K.attn.DecodeConfig(block_n=64, fp8_queries=True),
-        "fp8q_n64_s2": K.attn.DecodeConfig(block_n=64, num_stages=2, fp8_queries=True),
-        "fp8q_n128_w8": K.attn.DecodeConfig(block_n=128, num_warps=8, fp8_queries=True),
-        "fp8q_merge_n32": K.attn.DecodeConfig(mode="merge_kernel", block_n=32, fp8_queries=True),
     }
     return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32")} if quick else configs
 
 
-def decode_reference(config, query, paged, seq_lens, scale) -> torch.Tensor:
-    """The reference of one decode call on ``paged``; with fp8_queries the kernel attends with e4m3
-    queries, and so does the reference."""
-    query = K.aref.quantize_queries_ref(query) if config.fp8_queries else query
+def decode_reference(query, paged, seq_lens, scale) -> torch.Tensor:
+    """The reference of one decode call on ``paged``."""
     qsl = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=DEVICE)
     return K.aref.paged_attention_ref(
         query, paged.k_cache, paged.v_cache, qsl, seq_lens, paged.block_tables, scale, **paged.scales
@@ -481,7 +461,7 @@ def check_decode(
     scale = head_dim**-0.5
     args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale)
     K.attn.paged_decode_attention(*args, out=out, config=config, **paged.scales)
-    expected = decode_reference(config, query, paged, paged.seq_lens, scale)
+    expected = decode_reference(query, paged, paged.seq_lens, scale)
     splits = K.attn.decode_num_splits(
         batch, num_kv_heads, paged.block_tables.shape[1] * block_size, num_sms(), config
     )
@@ -529,7 +509,7 @@ def check_decode_graph(gen, config_name, config, fp8=False, pdl=False):
         query.copy_(torch.randn(query.shape, generator=gen, device=DEVICE))
         out.fill_(float("nan"))
         graph.replay()
-        expected = decode_reference(config, query, paged, lens, head_dim**-0.5)
+        expected = decode_reference(query, paged, lens, head_dim**-0.5)
         err = rel_error(out, expected)
         worst = max(worst, err)
         ok = ok and not bool(out.isnan().any()) and err < TOLERANCE and bool((out[0] == 0).all())
@@ -639,13 +619,12 @@ def run_decode_correctness(gen, quick):
     # timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
     for name, config in configs.items():
         for shape in shapes if name in ("merge_kernel", "fused") else (shapes[0], shapes[1], shapes[6]):
-            check_decode(gen, *shape, name, config, fp8=config.fp8_queries)
-    for name in ("merge_kernel", "fused", "fp8q_n32"):
+            check_decode(gen, *shape, name, config)
+    for name in ("merge_kernel", "fused"):
         for shape in shapes[:4]:
             check_decode(gen, *shape, name, configs[name], fp8=True)
-        if not configs[name].fp8_queries:
-            check_decode_graph(gen, name, configs[name])
-            check_decode_graph(gen, name, configs[name], pdl=True)
+        check_decode_graph(gen, name, configs[name])
+        check_decode_graph(gen, name, configs[name], pdl=True)
         check_decode_graph(gen, name, configs[name], fp8=True)
 
 
@@ -834,7 +813,7 @@ def gemv_candidates(m: int, quick: bool) -> list:
             C(16, 512, num_warps=8),
             C(32, 128, use_dot=True),
         ]
-    else:
+    elif m <= 16:
         configs = [
             C(16, 128, use_dot=True),
             C(32, 128, use_dot=True),
@@ -845,6 +824,16 @@ def gemv_candidates(m: int, quick: bool) -> list:
             C(32, 256, use_dot=True, num_stages=4),
             C(8, 256),
         ]
+    else:  # every row in one tensor-core tile: against cuBLAS's GEMM tiles
+        block_k = 128 if m <= 64 else 64
+        configs = [
+            C(32, block_k, use_dot=True),
+            C(64, block_k, use_dot=True, num_warps=8 if m > 64 else 4),
+            C(32, block_k, split_k=2, use_dot=True),
+            C(32, block_k, split_k=4, use_dot=True),
+            C(16, block_k, split_k=2, use_dot=True),
+            C(64, 64, split_k=2, use_dot=True, num_warps=8),
+        ]
     return configs[:3] if quick else configs
 
 
@@ -854,7 +843,9 @@ def time_gemv(gen, quick):
     for name, (n, k) in PROJECTIONS.items():
         weight = randn(gen, n, k, scale=0.05)
         bytes_read = weight.numel() * 2
-        for m in (1, 2, 4, 8, 16):
+        # Above 16 rows only the decoder layer's projections: they run inside the decode graphs, the
+        # vocabulary projection outside them.
+        for m in (1, 2, 4, 8, 16) + (() if name == "lm_head" else (32, 64, 128, 256)):
             x = randn(gen, m, k)
             out = torch.empty(m, n, device=DEVICE, dtype=DTYPE)
             expected = torch.nn.functional.linear(x, weight)
@@ -906,8 +897,6 @@ def time_decode(gen, quick):
             args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
             entry = {}
             for name, config in configs.items():
-                if config.fp8_queries and not fp8:
-                    continue
                 workspace = K.attn.DecodeWorkspace.allocate(
                     batch, HEADS, KV_HEADS, HEAD_DIM, paged.block_tables.shape[1] * block_size, DEVICE, config
                 )
@@ -1121,16 +1110,12 @@ class MockDecodeStep:
         )
         self.num_bytes += sum(layer["paged"].kv_bytes for layer in self.layers)
 
-    def run(self, cublas: bool = False, pdl: bool = False, norm_in_gemv: bool = False) -> torch.Tensor:
+    def run(self, cublas: bool = False, pdl: bool = False) -> torch.Tensor:
         """One step through the Triton kernels; the sampled tokens go to ``self.tokens``. Returns the
-        logits. ``norm_in_gemv``: each add + RMSNorm is computed in the prologue of the projection
-        after it (qkv, gate_up, the LM head) instead of by a kernel of its own."""
+        logits."""
 
         def project(x, w):
             return torch.nn.functional.linear(x, w) if cublas else K.gemv.gemv(x, w, pdl=pdl)
-
-        if norm_in_gemv:
-            return self._run_norm_in_gemv(pdl)
 
         def project_gated(gate_up, w):
             if cublas:
@@ -1162,27 +1147,6 @@ class MockDecodeStep:
             workspace=self.workspace, pdl=pdl, **paged.scales,
         )  # fmt: skip
         return attn.view(self.batch, -1)
-
-    def _run_norm_in_gemv(self, pdl: bool) -> torch.Tensor:
-        x = self.hidden.clone()
-        residual, total = torch.zeros_like(x), torch.empty_like(x)
-
-        def normed_project(x, w, norm_weight):
-            nonlocal residual, total
-            out = K.gemv.gemv(
-                x, w, pdl=pdl, norm_weight=norm_weight, eps=EPS, residual=residual, residual_out=total
-            )
-            residual, total = total, residual
-            return out
-
-        for layer in self.layers:
-            attn = self._attention(layer, normed_project(x, layer["qkv"], layer["norm1"]), pdl)
-            x = K.gemv.gemv(attn, layer["o"], pdl=pdl)
-            gate_up = normed_project(x, layer["gate_up"], layer["norm2"])
-            x = K.gemv.gemv(gate_up, layer["down"], pdl=pdl, gated=True)
-        logits = normed_project(x, self.lm_head, self.final_norm)
-        K.samp.gumbel_sample(logits, self.temperature, self.seeds, self.offsets, out=self.tokens, pdl=pdl)
-        return logits
 
     def run_reference(self) -> torch.Tensor:
         """The same step through the pure-PyTorch references: the logits."""
@@ -1232,20 +1196,15 @@ def time_mock_step(gen, quick):
         step = MockDecodeStep(gen, batch, MOCK_STEP_CONTEXT)
         entry = {"weights_and_kv_bytes": step.num_bytes}
         # The whole step against the references: errors of 28 layers of bf16 add up, hence 5e-2.
-        reference = step.run_reference()
-        err = rel_error(step.run(), reference)
+        err = rel_error(step.run(), step.run_reference())
         record(
             "mock_step", {"B": batch, "ctx": MOCK_STEP_CONTEXT}, err < 5e-2, err, "logits vs the references"
         )
-        err = rel_error(step.run(norm_in_gemv=True), reference)
-        record("mock_step", {"B": batch, "ctx": MOCK_STEP_CONTEXT, "norm_in_gemv": True}, err < 5e-2, err)
-        eager_norm_in_gemv_tokens = step.tokens.clone()
         step.run()
         eager_tokens = step.tokens.clone()
         for label, kwargs in (
             ("triton", {}),
             ("triton+pdl", {"pdl": True}),
-            ("triton+pdl, norm in the gemv", {"pdl": True, "norm_in_gemv": True}),
             ("cublas projections", {"cublas": True}),
         ):
             try:
@@ -1253,8 +1212,7 @@ def time_mock_step(gen, quick):
                 graph_tokens = step.tokens.clone()
                 entry[label] = {"ms": ms, "tbps": step.num_bytes / ms / 1e9}
                 if label != "cublas projections":
-                    eager = eager_norm_in_gemv_tokens if kwargs.get("norm_in_gemv") else eager_tokens
-                    entry[label]["same_tokens_as_eager"] = bool(torch.equal(graph_tokens, eager))
+                    entry[label]["same_tokens_as_eager"] = bool(torch.equal(graph_tokens, eager_tokens))
             except Exception as exc:  # noqa: BLE001
                 entry[label] = {"error": repr(exc)[:300]}
         res[f"B{batch} ctx{MOCK_STEP_CONTEXT}"] = entry
@@ -1404,21 +1362,9 @@ def compile_only(quick: bool) -> int:
         attempt(f"uniform_noise B={batch}", K.samp.uniform_noise, rows, rows, VOCAB)
     for name, (n, k) in PROJECTIONS.items():
         weight = t(n, k)
-        for m in (1, 2, 4, 8, 16):
+        for m in (1, 2, 4, 8, 16) + (() if name == "lm_head" else (32, 64, 128, 256)):
             for config in [None, *gemv_candidates(m, quick)]:
                 attempt(f"gemv {name} M={m} {config}", K.gemv.gemv, t(m, k), weight, config=config, pdl=True)
-            if name in ("qkv", "gate_up", "lm_head"):  # the mock step's add + norm in the prologue
-                x = t(m, k)
-                attempt(
-                    f"gemv {name} M={m} norm",
-                    K.gemv.gemv,
-                    x,
-                    weight,
-                    pdl=True,
-                    norm_weight=t(k),
-                    residual=t(m, k),
-                    residual_out=t(m, k),
-                )
     for cache_dtype in (DTYPE, FP8):
         scales = {"k_scale": ones, "v_scale": ones} if cache_dtype == FP8 else {}
         cache = t(300, 16, KV_HEADS, HEAD_DIM, dtype=cache_dtype)
@@ -1437,8 +1383,6 @@ def compile_only(quick: bool) -> int:
             tables = torch.zeros(batch, 64, dtype=torch.int32)
             lens = torch.zeros(batch, dtype=torch.int32)
             for name, config in decode_configs(quick).items():
-                if config.fp8_queries and cache_dtype != FP8:
-                    continue
                 for pdl in (False, True):
                     attempt(
                         f"decode {cache_dtype} B={batch} {name} pdl={pdl}",

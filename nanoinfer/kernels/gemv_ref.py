@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoinfer.kernels.elementwise_ref import rms_norm_ref, silu_and_mul_ref
+from nanoinfer.kernels.elementwise_ref import silu_and_mul_ref
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -22,18 +22,3 @@ def silu_mul_gemv_ref(
     """``gemv(x, weight, bias, gated=True)``: ``x`` [M, 2K] = [gate | up], the product over silu(gate) *
     up (rounded to ``x``'s dtype, as a separate activation kernel's output is)."""
     return gemv_ref(silu_and_mul_ref(x), weight, bias)
-
-
-def rms_norm_gemv_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gemv(x, weight, bias, norm_weight=..., eps=..., residual=...)``: the product over
-    RMSNorm(x + residual) (or RMSNorm(x)), and the sum x + residual (x without a residual), each rounded
-    to ``x``'s dtype as ``add_rms_norm_ref`` rounds."""
-    total = x if residual is None else x + residual
-    return gemv_ref(rms_norm_ref(total, norm_weight, eps), weight, bias), total

@@ -1,15 +1,15 @@
-"""Small-batch projection (GEMV-like GEMM) for decode: ``out = x @ weight.T (+ bias)`` for 1-16 rows.
+"""Small-batch projection (GEMV-like GEMM) for decode: ``out = x @ weight.T (+ bias)`` for 1-256 rows.
 
-At batch 1-16 a projection reads its whole weight for a few rows of output, so it is bound by the
+At small batches a projection reads its whole weight for a few rows of output, so it is bound by the
 weight read. One program = one block of ``block_n`` output columns (weight rows, contiguous along K,
 so the loads are coalesced) over a range of K; with ``split_k`` > 1 the K ranges of one column block
 run in separate programs, each writing a float32 partial, and the last of them to finish (an atomic
 counter) sums the partials in split order (deterministic) and writes the output. The product is
 either a broadcast multiply-and-sum on the CUDA cores (``use_dot=False``, for 1-4 rows) or a tensor-core
-``tl.dot`` with the rows padded to 16. With ``gated`` the input is a gated MLP's [gate | up] and the
+``tl.dot`` with all rows in one tile (padded to a power of two, at least 16: every program reads its
+weight columns once for the whole batch). With ``gated`` the input is a gated MLP's [gate | up] and the
 product is over silu(gate) * up, computed as the tiles load (the MLP's down projection without a
-separate activation kernel). With ``norm_weight`` the input is RMSNorm(x) or RMSNorm(x + residual),
-computed in each program from the whole row (a decoder layer's add + norm before its projection).
+separate activation kernel).
 
 The split-K counters live in one zeroed int32 buffer per device, created on the first split-K call
 (make that call before CUDA-graph capture) and left at zero after every call; launches that share it
@@ -27,14 +27,11 @@ import triton.language as tl
 from nanoinfer.kernels.triton_elementwise import launch_options
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Rows on the CUDA cores (a broadcast product per tile) and on the tensor cores (one tile of rows).
 MAX_ROWS = 16
+MAX_DOT_ROWS = 256
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MIN_COUNTERS = 1 << 14
-# What the input is normalised with before the product (the kernel's NORM): nothing, RMSNorm(x), or
-# RMSNorm(x + residual) with the sum written out.
-_NORM_NONE = tl.constexpr(0)
-_NORM_RMS = tl.constexpr(1)
-_NORM_ADD = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -59,12 +56,14 @@ class GemvConfig:
 
 def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
     """The default configuration for an [m, k] x [n, k]^T product: CUDA cores for up to 4 rows (a
-    transient product of at most 4096 elements per program), tensor cores above; split-K only when
-    the column blocks alone would leave SMs idle."""
+    transient product of at most 4096 elements per program), tensor cores above (K tiles of 64 above
+    64 rows, so that the pipelined x tiles fit in shared memory); split-K only when the column blocks
+    alone would leave SMs idle."""
     if m <= 4:
         block_n, block_k, use_dot = 8, min(512 // triton.next_power_of_2(m), triton.next_power_of_2(k)), False
     else:
-        block_n, block_k, use_dot = 32, min(128, max(16, triton.next_power_of_2(k))), True
+        block_k = min(128 if m <= 64 else 64, max(16, triton.next_power_of_2(k)))
+        block_n, use_dot = 32, True
     column_blocks = triton.cdiv(n, block_n)
     split_k = 1
     while column_blocks * split_k < num_sms and split_k < 8 and k >= 2 * split_k * block_k:
@@ -101,31 +100,12 @@ def _load_weight_tile(w_rows, k0, k_stop, col_mask, BLOCK_K: tl.constexpr, EVEN:
 
 
 @triton.jit
-def _add_residual(x, res_rows, ks, mask):
-    """x + the residual's tile at columns ks, rounded to x's dtype (as add_rms_norm rounds the sum)."""
-    residual = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
-    return (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
 def _load_input_tile(
-    x_rows,
-    k0,
-    k_stop,
-    K,
-    row_mask,
-    norm,
-    BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr,
-    GATED: tl.constexpr,
-    NORM: tl.constexpr,
+    x_rows, k0, k_stop, K, row_mask, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr
 ):
     """The x tile [BLOCK_M, BLOCK_K] at k0 (zeros past k_stop); with GATED it is silu(gate) * up of the
     gate columns at k0 and the up columns at K + k0, rounded as the separate activation kernel rounds
-    (silu, then the product, to x's dtype). With NORM it is RMSNorm(x) or RMSNorm(x + residual),
-    rounded as the norm kernels round, and the programs of the first column block write x + residual;
-    ``norm`` holds the residual's rows, the sum's rows, the norm weight, each row's 1 / RMS and whether
-    this program writes the sum."""
+    (silu, then the product, to x's dtype)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     x_mask = row_mask[:, None]
     if not EVEN:
@@ -136,32 +116,7 @@ def _load_input_tile(
         up = tl.load(x_rows + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
         silu = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
         x = (silu * up).to(x.dtype)
-    if NORM != _NORM_NONE:
-        res_rows, res_out_rows, norm_weight_ptr, rstd, write_sum = norm
-        if NORM == _NORM_ADD:
-            x = _add_residual(x, res_rows, ks, x_mask)
-            tl.store(res_out_rows + ks[None, :], x, mask=x_mask & write_sum)
-        weight = tl.load(norm_weight_ptr + ks, mask=ks < k_stop, other=0.0).to(tl.float32)
-        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-        x = (weight[None, :] * normed).to(x.dtype)
     return x
-
-
-@triton.jit
-def _norm_rstd(x_rows, res_rows, K, eps, row_mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               NORM: tl.constexpr):  # fmt: skip
-    """1 / RMS of each row of x (or of x + residual, rounded to x's dtype first) over all K columns:
-    [BLOCK_M] float32."""
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = row_mask[:, None] & (ks < K)[None, :]
-        x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-        if NORM == _NORM_ADD:
-            x = _add_residual(x, res_rows, ks, mask)
-        xf = x.to(tl.float32)
-        sum_sq += tl.sum(xf * xf, axis=1)
-    return tl.math.rsqrt(sum_sq / K + eps)
 
 
 @triton.jit
@@ -178,12 +133,6 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    res_ptr,
-    res_out_ptr,
-    norm_weight_ptr,
-    eps,
-    stride_rm,
-    stride_rom,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -192,7 +141,6 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
     GATED: tl.constexpr,
-    NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -217,20 +165,13 @@ def _gemv_kernel(
     w = _load_weight_tile(w_rows, k_start, k_stop, col_mask, BLOCK_K, EVEN)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    # The norm's statistics over the whole row, in every program (the row is a few KB, from L2).
-    res_rows = res_ptr + rows[:, None] * stride_rm
-    if NORM != _NORM_NONE:
-        rstd = _norm_rstd(x_rows, res_rows, K, eps, row_mask, BLOCK_M, BLOCK_K, NORM)
-    else:
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    norm = (res_rows, res_out_ptr + rows[:, None] * stride_rom, norm_weight_ptr, rstd, pid_n == 0)
-    x = _load_input_tile(x_rows, k_start, k_stop, K, row_mask, norm, BLOCK_K, EVEN, GATED, NORM)
+    x = _load_input_tile(x_rows, k_start, k_stop, K, row_mask, BLOCK_K, EVEN, GATED)
     if USE_DOT:
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         # Triton pipelines these loads through shared memory (num_stages).
         for k0 in range(k_start + BLOCK_K, k_stop, BLOCK_K):
             w = _load_weight_tile(w_rows, k0, k_stop, col_mask, BLOCK_K, EVEN)
-            x = _load_input_tile(x_rows, k0, k_stop, K, row_mask, norm, BLOCK_K, EVEN, GATED, NORM)
+            x = _load_input_tile(x_rows, k0, k_stop, K, row_mask, BLOCK_K, EVEN, GATED)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
         # Loads that do not feed a dot are not pipelined by Triton: the next tile is requested before
@@ -239,9 +180,7 @@ def _gemv_kernel(
         acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
             w_next = _load_weight_tile(w_rows, k0 + BLOCK_K, k_stop, col_mask, BLOCK_K, False)
-            x_next = _load_input_tile(
-                x_rows, k0 + BLOCK_K, k_stop, K, row_mask, norm, BLOCK_K, False, GATED, NORM
-            )
+            x_next = _load_input_tile(x_rows, k0 + BLOCK_K, k_stop, K, row_mask, BLOCK_K, False, GATED)
             if BLOCK_M == 1:
                 acc_k += w.to(tl.float32) * x.to(tl.float32)
             else:
@@ -273,30 +212,6 @@ def _gemv_kernel(
             tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-def _check_norm(x, k, gated, norm_weight, residual, residual_out) -> int:
-    """The kernel's NORM for these arguments; ValueError naming the one that does not fit."""
-    if norm_weight is None:
-        if residual is not None or residual_out is not None:
-            raise ValueError("gemv: residual and residual_out need norm_weight")
-        return _NORM_NONE.value
-    if gated:
-        raise ValueError("gemv: norm_weight and gated=True cannot be combined")
-    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
-        shape = tuple(norm_weight.shape)
-        raise ValueError(f"gemv: norm_weight must be a contiguous [{k}] tensor, got {shape}")
-    if residual is None:
-        if residual_out is not None:
-            raise ValueError("gemv: residual_out needs residual")
-        return _NORM_RMS.value
-    for name, t in (("residual", residual), ("residual_out", residual_out)):
-        if t is None or t.shape != x.shape or t.dtype != x.dtype or t.stride(1) != 1:
-            raise ValueError(f"gemv: {name} must be a {tuple(x.shape)} {x.dtype} tensor with stride(1) == 1")
-    # Every program reads x and residual whole; one writes the sum while the others may still read.
-    if residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
-        raise ValueError("gemv: residual_out must be a buffer of its own, not x or residual")
-    return _NORM_ADD.value
-
-
 def _split_k_counters(device: torch.device, count: int) -> torch.Tensor:
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < count:
@@ -318,17 +233,11 @@ def gemv(
     config: GemvConfig | None = None,
     pdl: bool = False,
     gated: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x`` [M, K] (1 <= M <= 16, unit last stride) @ ``weight`` [N, K].T (row-major, as nn.Linear
-    stores it) + ``bias`` [N]: a new [M, N] tensor of ``x``'s dtype (or ``out``), float32 accumulation.
-    ``gated``: ``x`` is [M, 2K] = [gate | up] and the product is silu(gate) * up @ ``weight``.T.
-    ``norm_weight`` [K]: the product is over RMSNorm(x) (``eps``), or with ``residual`` [M, K] over
-    RMSNorm(x + residual), the sum written to ``residual_out`` [M, K] (a decoder layer's add + norm
-    before its projection, without a kernel of their own; rounded as ``add_rms_norm`` rounds)."""
+    """``x`` [M, K] (unit last stride; 1 <= M <= 16, or up to 256 with a tensor-core config) @
+    ``weight`` [N, K].T (row-major, as nn.Linear stores it) + ``bias`` [N]: a new [M, N] tensor of
+    ``x``'s dtype (or ``out``), float32 accumulation. ``gated``: ``x`` is [M, 2K] = [gate | up] and the
+    product is silu(gate) * up @ ``weight``.T."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gated else 1):
         expected = "[M, 2K] ([gate | up])" if gated else "[M, K]"
         raise ValueError(
@@ -336,8 +245,11 @@ def gemv(
         )
     m = x.shape[0]
     n, k = weight.shape
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows of x, got {m}")
+    config = config or gemv_config(m, n, k)
+    max_rows = MAX_DOT_ROWS if config.use_dot else MAX_ROWS
+    if not 1 <= m <= max_rows:
+        kind = "a tensor-core (use_dot)" if config.use_dot else "a CUDA-core"
+        raise ValueError(f"gemv with {kind} config takes 1 to {max_rows} rows of x, got {m}")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share one dtype of {_DTYPES}, got {x.dtype} and {weight.dtype}")
     if k < 1 or n < 1 or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -348,15 +260,13 @@ def gemv(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be ({m}, {n}) {x.dtype} with stride(1) == 1")
-    norm = _check_norm(x, k, gated, norm_weight, residual, residual_out)
-    config = config or gemv_config(m, n, k)
     column_blocks = triton.cdiv(n, config.block_n)
     if config.split_k > 1:
         partial = torch.empty(config.split_k * m * n, dtype=torch.float32, device=x.device)
         counters = _split_k_counters(x.device, column_blocks)
     else:
         partial = counters = out
-    block_m = 16 if config.use_dot else triton.next_power_of_2(m)
+    block_m = max(16, triton.next_power_of_2(m)) if config.use_dot else triton.next_power_of_2(m)
     _gemv_kernel[(column_blocks, config.split_k)](
         x,
         weight,
@@ -370,12 +280,6 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        residual if residual is not None else x,
-        residual_out if residual_out is not None else out,
-        norm_weight if norm_weight is not None else weight,
-        eps,
-        residual.stride(0) if residual is not None else 0,
-        residual_out.stride(0) if residual_out is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -384,7 +288,6 @@ def gemv(
         HAS_BIAS=bias is not None,
         EVEN=n % config.block_n == 0 and k % (config.block_k * config.split_k) == 0,
         GATED=gated,
-        NORM=norm,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl,
         num_warps=config.num_warps,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanoinfer.kernels.gemv_ref import gemv_ref, rms_norm_gemv_ref, silu_mul_gemv_ref
+from nanoinfer.kernels.gemv_ref import gemv_ref, silu_mul_gemv_ref
 from tests.kernels.helpers import DEVICE, DTYPE, DTYPES, generator, randn, rel_error, tolerance, triton_module
 
 
@@ -54,6 +54,25 @@ def test_gated_gemv_matches_reference(rows, n, k, config_name):
         kernels.gemv(gate_up[:, :k], weight, gated=True)
 
 
+@pytest.mark.parametrize("config_name", ["default", "dot", "dot_split2"])
+@pytest.mark.parametrize("rows", [17, 40, 130])
+def test_gemv_with_every_row_in_one_tensor_core_tile_matches_reference(rows, config_name):
+    # Above 16 rows (decode batches up to 256) only tensor-core configs apply: one tile of all rows.
+    kernels = _kernels()
+    spec = CONFIGS[config_name]
+    config = kernels.GemvConfig(**spec) if spec else None
+    gen = generator(rows)
+    x = randn(gen, rows, 72, dtype=DTYPE)[:, :64]  # row-strided
+    weight = randn(gen, 48, 64, dtype=DTYPE)
+    out = torch.full((rows, 48), float("nan"), dtype=DTYPE, device=DEVICE)
+    kernels.gemv(x, weight, out=out, config=config)
+    assert not out.isnan().any()
+    assert rel_error(out, gemv_ref(x, weight)) < max(tolerance(DTYPE), 1e-4)
+    gate_up = randn(gen, rows, 128, dtype=DTYPE)
+    gated = kernels.gemv(gate_up, weight, config=config, gated=True)
+    assert rel_error(gated, silu_mul_gemv_ref(gate_up, weight)) < max(tolerance(DTYPE), 1e-4)
+
+
 def test_split_k_counters_are_left_at_zero():
     kernels = _kernels()
     gen = generator(2)
@@ -68,57 +87,14 @@ def test_split_k_counters_are_left_at_zero():
 def test_gemv_validation_names_the_field():
     kernels = _kernels()
     weight = torch.zeros(8, 32, dtype=DTYPE, device=DEVICE)
-    with pytest.raises(ValueError, match="rows"):
-        kernels.gemv(torch.zeros(17, 32, dtype=DTYPE, device=DEVICE), weight)
+    cuda_cores = kernels.GemvConfig(block_n=8, block_k=32)
+    with pytest.raises(ValueError, match="CUDA-core config takes 1 to 16 rows"):
+        kernels.gemv(torch.zeros(17, 32, dtype=DTYPE, device=DEVICE), weight, config=cuda_cores)
+    with pytest.raises(ValueError, match="tensor-core .* takes 1 to 256 rows"):
+        kernels.gemv(torch.zeros(257, 32, dtype=DTYPE, device=DEVICE), weight)
     with pytest.raises(ValueError, match="bias"):
         kernels.gemv(
             torch.zeros(1, 32, dtype=DTYPE, device=DEVICE), weight, torch.zeros(4, dtype=DTYPE, device=DEVICE)
         )
     with pytest.raises(ValueError, match="use_dot"):
         kernels.GemvConfig(block_n=8, block_k=32, use_dot=True)
-
-
-@pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("config_name", sorted(CONFIGS))
-@pytest.mark.parametrize("rows,n,k", [(1, 40, 96), (3, 64, 200), (16, 24, 64)])
-def test_gemv_with_the_norm_in_its_prologue_matches_reference(rows, n, k, config_name, with_residual):
-    kernels = _kernels()
-    spec = CONFIGS[config_name]
-    config = kernels.GemvConfig(**spec) if spec else None
-    gen = generator(rows * n + k + 2)
-    x = randn(gen, rows, k + 8, dtype=DTYPE)[:, :k]  # row-strided
-    weight = randn(gen, n, k, dtype=DTYPE)
-    norm_weight = randn(gen, k, dtype=DTYPE)
-    residual = randn(gen, rows, k, dtype=DTYPE) if with_residual else None
-    bias = randn(gen, n, dtype=DTYPE) if rows % 2 else None
-    out = torch.full((rows, n), float("nan"), dtype=DTYPE, device=DEVICE)
-    total = torch.full((rows, k), float("nan"), dtype=DTYPE, device=DEVICE) if with_residual else None
-    kernels.gemv(
-        x, weight, bias, out=out, config=config, norm_weight=norm_weight, eps=1e-6, residual=residual,
-        residual_out=total,
-    )  # fmt: skip
-    expected, expected_total = rms_norm_gemv_ref(x, weight, norm_weight, 1e-6, residual, bias)
-    assert not out.isnan().any()
-    assert rel_error(out, expected) < max(tolerance(DTYPE), 1e-4)
-    if with_residual:
-        assert torch.equal(total, expected_total)
-
-
-def test_gemv_norm_arguments_are_checked():
-    kernels = _kernels()
-    x = torch.zeros(2, 32, dtype=DTYPE, device=DEVICE)
-    weight = torch.zeros(8, 32, dtype=DTYPE, device=DEVICE)
-    norm_weight = torch.ones(32, dtype=DTYPE, device=DEVICE)
-    with pytest.raises(ValueError, match="residual_out"):
-        kernels.gemv(x, weight, norm_weight=norm_weight, residual=x.clone())
-    with pytest.raises(ValueError, match="need norm_weight"):
-        kernels.gemv(x, weight, residual=x.clone(), residual_out=x.clone())
-    residual = x.clone()
-    with pytest.raises(ValueError, match="a buffer of its own"):
-        kernels.gemv(x, weight, norm_weight=norm_weight, residual=residual, residual_out=residual)
-    with pytest.raises(ValueError, match="norm_weight must be"):
-        kernels.gemv(x, weight, norm_weight=norm_weight[:16])
-    with pytest.raises(ValueError, match="gated"):
-        kernels.gemv(
-            torch.zeros(2, 64, dtype=DTYPE, device=DEVICE), weight, norm_weight=norm_weight, gated=True
-        )
