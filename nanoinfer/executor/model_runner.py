@@ -303,9 +303,9 @@ class ModelRunner:
         self._dummy_step(cfg.max_num_seqs + 32, cfg.max_num_seqs)
         hidden = torch.zeros(1, cfg.hf_config.hidden_size, dtype=self.dtype, device=device)
         sampler_batches = {1, 4, 16, 64, cfg.max_num_seqs}
-        # The vocabulary projection runs outside the graphs at the step's exact row count, and cuBLAS
-        # picks its kernel by shape: a kernel used for the first time is loaded then (H200: an 8 ms
-        # stall at each of 17 row counts of the benchmark's ramp-down), so every row count runs once.
+        # The vocabulary projection runs outside the graphs at the step's exact row count; cuBLAS picks
+        # its kernel by shape and loads a kernel on its first use, mid-run (the suspected cause of 8 ms
+        # stalls at 17 row counts of the benchmark's ramp-down on the H200), so every count runs once.
         for batch in range(1, cfg.max_num_seqs + 1):
             # A collective under tensor parallelism (every rank joins); None on the workers.
             logits = self.model.compute_logits(hidden.expand(batch, -1).contiguous())
