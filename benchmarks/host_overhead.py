@@ -1,9 +1,11 @@
 """Host (Python) cost of one engine decode step, with the model stubbed out (CPU only).
 
-The engine's steps are synchronous, so on a GPU this cost is time the GPU sits idle. It is measured here
-without one: a tiny random Qwen3 checkpoint whose forward pass is replaced by zeros and whose logits
-are a fixed random [batch, 512] tensor, so what remains is scheduling, block bookkeeping, input
-preparation, the sampler's glue on small logits, and output processing. Batches of ``--batch-sizes``
+Where the host's work per step exceeds the GPU's, the GPU sits idle. It is measured here without one: a
+tiny random Qwen3 checkpoint whose forward pass is replaced by zeros and whose logits are a fixed
+random [batch, 512] tensor, and the sampling kernel by an argmax (on a GPU it is one kernel launch; its
+torch definition, which the CPU runs instead, hashes noise for every logit and would dominate), so
+what remains is scheduling, block bookkeeping, input preparation, the sampler's glue, and output
+processing. Batches of ``--batch-sizes``
 sequences with ``--context``-token prompts decode ``--steps`` steps each (temperature 0.6, outputs
 returned at the end as ``LLM.generate`` does).
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+import nanoinfer.sample.sampler as sampler_module
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.benchmarks.random_checkpoint import write_random_qwen3
 from nanoinfer.sampling_params import RequestOutputKind
@@ -49,6 +52,7 @@ def measure(model: str, batch_size: int, context: int, steps: int, profile: bool
     logits = torch.randn(batch_size, TINY_SHAPE["vocab_size"])
     runner.model.forward = lambda input_ids, positions, meta: torch.zeros(len(input_ids), hidden_size)
     runner.model.compute_logits = lambda hidden: logits[: len(hidden)]
+    sampler_module.sample_greedy_or_gumbel = lambda logits, metadata: logits.argmax(dim=-1)
     engine = llm.llm_engine
     params = SamplingParams(
         temperature=0.6, ignore_eos=True, max_tokens=steps + 8, output_kind=RequestOutputKind.FINAL_ONLY
