@@ -837,15 +837,19 @@ def gemv_candidates(m: int, quick: bool) -> list:
     return configs[:3] if quick else configs
 
 
+def gemv_row_counts(projection: str) -> tuple[int, ...]:
+    """Rows the GEMV is timed and compiled at: above 16 only for the decoder layer's projections, which
+    run inside the decode graphs (the vocabulary projection runs outside them)."""
+    return (1, 2, 4, 8, 16) + (() if projection == "lm_head" else (32, 64, 128, 256))
+
+
 def time_gemv(gen, quick):
     res = {}
     sms = num_sms()
     for name, (n, k) in PROJECTIONS.items():
         weight = randn(gen, n, k, scale=0.05)
         bytes_read = weight.numel() * 2
-        # Above 16 rows only the decoder layer's projections: they run inside the decode graphs, the
-        # vocabulary projection outside them.
-        for m in (1, 2, 4, 8, 16) + (() if name == "lm_head" else (32, 64, 128, 256)):
+        for m in gemv_row_counts(name):
             x = randn(gen, m, k)
             out = torch.empty(m, n, device=DEVICE, dtype=DTYPE)
             expected = torch.nn.functional.linear(x, weight)
@@ -1362,7 +1366,7 @@ def compile_only(quick: bool) -> int:
         attempt(f"uniform_noise B={batch}", K.samp.uniform_noise, rows, rows, VOCAB)
     for name, (n, k) in PROJECTIONS.items():
         weight = t(n, k)
-        for m in (1, 2, 4, 8, 16) + (() if name == "lm_head" else (32, 64, 128, 256)):
+        for m in gemv_row_counts(name):
             for config in [None, *gemv_candidates(m, quick)]:
                 attempt(f"gemv {name} M={m} {config}", K.gemv.gemv, t(m, k), weight, config=config, pdl=True)
     for cache_dtype in (DTYPE, FP8):
