@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from nanoinfer.benchmarks.throughput import git_commit  # noqa: E402
+from nanoinfer.benchmarks.throughput import git_commit, timed_calls  # noqa: E402
 from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args  # noqa: E402
 
 SCHEMA = {
@@ -81,66 +81,45 @@ def _model(args: argparse.Namespace, scratch: str) -> str:
     return path
 
 
-class PhaseTimes:
-    """``--profile``: wall time of each host phase of the engine's loop, summed over a run (wrappers on
-    the engine's own objects; the class method StepHandle.result is wrapped for the run only)."""
+def _phase_targets(llm: LLM) -> list:
+    """``--profile``: the host phases of the engine's loop, as ``timed_calls`` targets."""
+    from nanoinfer.executor.model_runner import StepHandle
 
-    def __init__(self, llm: LLM):
-        from nanoinfer.executor.model_runner import StepHandle
+    engine = llm.llm_engine
+    core = engine.engine_core
+    return [
+        (engine, "step", "engine step (all)"),
+        (core, "step", "core step"),
+        (core.scheduler, "schedule", "schedule"),
+        (core.executor, "prepare", "prepare inputs"),
+        (core.executor, "launch", "launch forward"),
+        (core.executor, "sample", "launch deferred sampling"),
+        (core.structured_outputs, "bitmask", "fill bitmask"),
+        (core.scheduler, "update_from_output", "update (grammars advance)"),
+        (StepHandle, "result", "wait for tokens"),
+    ]
 
-        engine = llm.llm_engine
-        core = engine.engine_core
-        self.seconds: dict[str, float] = {}
-        self.num_steps = 0
-        self._wrap(engine, "step", "engine step (all)")
-        self._wrap(core, "step", "core step")
-        self._wrap(core.scheduler, "schedule", "schedule")
-        self._wrap(core.executor, "prepare", "prepare inputs")
-        self._wrap(core.executor, "launch", "launch forward")
-        self._wrap(core.executor, "sample", "launch deferred sampling")
-        self._wrap(core.structured_outputs, "bitmask", "fill bitmask")
-        self._wrap(core.scheduler, "update_from_output", "update (grammars advance)")
-        self._handle_class, self._result = StepHandle, StepHandle.result
-        StepHandle.result = self._timed(self._result, "wait for tokens")
 
-    def _timed(self, fn, name: str):
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
-                if name == "engine step (all)":
-                    self.num_steps += 1
-
-        return timed
-
-    def _wrap(self, owner, attribute: str, name: str) -> None:
-        setattr(owner, attribute, self._timed(getattr(owner, attribute), name))
-
-    def close(self) -> dict[str, float]:
-        """Restores StepHandle.result; microseconds per engine step of each phase."""
-        self._handle_class.result = self._result
-        steps = max(self.num_steps, 1)
-        per_step = {name: round(s / steps * 1e6, 1) for name, s in self.seconds.items()}
-        per_step["outputs (frontend)"] = round(
-            per_step.get("engine step (all)", 0.0) - per_step.get("core step", 0.0), 1
-        )
-        per_step["steps"] = self.num_steps
-        return per_step
+def _us_per_step(seconds: dict[str, float], calls: dict[str, int]) -> dict[str, float]:
+    """Microseconds per engine step of each timed phase, and the frontend's share of a step."""
+    steps = max(calls.get("engine step (all)", 0), 1)
+    per_step = {name: round(s / steps * 1e6, 1) for name, s in seconds.items()}
+    per_step["outputs (frontend)"] = round(
+        per_step.get("engine step (all)", 0.0) - per_step.get("core step", 0.0), 1
+    )
+    per_step["steps"] = calls.get("engine step (all)", 0)
+    return per_step
 
 
 def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple[dict, list[int]]:
     """The run's figures, and each request's output length."""
     prompts = [PROMPT] * len(params)
     before = llm.llm_engine.stats()
-    phases = PhaseTimes(llm) if profile else None
-    started = time.perf_counter()
-    try:
+    with timed_calls(_phase_targets(llm) if profile else []) as (phase_seconds, phase_calls):
+        started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        phase_us = phases.close() if phases is not None else None
-    seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started
+    phase_us = _us_per_step(phase_seconds, phase_calls) if profile else None
     after = llm.llm_engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     mask_steps = after["structured_mask_steps"] - before["structured_mask_steps"]

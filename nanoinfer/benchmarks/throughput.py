@@ -409,39 +409,50 @@ def profile_decode_step(
 
 
 @contextlib.contextmanager
+def timed_calls(targets: list[tuple[Any, str, str]]):
+    """Wraps each ``(owner, attribute, label)`` method so that its calls are timed (a class's attribute
+    times every instance's calls); yields two dicts that fill by label, seconds and calls; restores the
+    methods on exit."""
+    seconds: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    patched = []
+    for owner, attribute, label in targets:
+        original = getattr(owner, attribute)
+
+        def wrapper(*args, _original=original, _label=label, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                seconds[_label] = seconds.get(_label, 0.0) + time.perf_counter() - started
+                calls[_label] = calls.get(_label, 0) + 1
+
+        setattr(owner, attribute, wrapper)
+        patched.append((owner, attribute, original))
+    try:
+        yield seconds, calls
+    finally:
+        for owner, attribute, original in reversed(patched):
+            setattr(owner, attribute, original)
+
+
+@contextlib.contextmanager
 def _host_phases(llm):
     """Yields a dict that fills with the seconds spent in each phase of the engine's steps."""
     from nanoinfer.executor.model_runner import StepHandle
 
     engine = llm.llm_engine
     core = engine.engine_core
-    totals: dict[str, float] = {}
-    patched = []
-
-    def timed(owner, name, label):
-        original = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                totals[label] = totals.get(label, 0.0) + time.perf_counter() - started
-
-        setattr(owner, name, wrapper)
-        patched.append((owner, name, original))
-
-    timed(core.scheduler, "schedule", "schedule")
-    timed(core.executor.runner, "prepare", "prepare_inputs")
-    timed(core.executor.runner, "execute", "launch")
-    timed(StepHandle, "result", "wait_and_fetch")
-    timed(core.scheduler, "update_from_output", "update")
-    timed(engine.output_processor, "process_outputs", "outputs")
-    try:
-        yield totals
-    finally:
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)
+    targets = [
+        (core.scheduler, "schedule", "schedule"),
+        (core.executor.runner, "prepare", "prepare_inputs"),
+        (core.executor.runner, "execute", "launch"),
+        (StepHandle, "result", "wait_and_fetch"),
+        (core.scheduler, "update_from_output", "update"),
+        (engine.output_processor, "process_outputs", "outputs"),
+    ]
+    with timed_calls(targets) as (seconds, _):
+        yield seconds
 
 
 @dataclasses.dataclass(frozen=True)
