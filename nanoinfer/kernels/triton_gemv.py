@@ -1,4 +1,4 @@
-"""Small-batch projection (GEMV-like GEMM) for decode: ``out = x @ weight.T (+ bias)`` for 1-256 rows.
+"""Small-batch projection (GEMV-like GEMM) for decode: ``out = x @ weight.T (+ bias)`` for 1-16 rows.
 
 At small batches a projection reads its whole weight for a few rows of output, so it is bound by the
 weight read. One program = one block of ``block_n`` output columns (weight rows, contiguous along K,
@@ -6,8 +6,7 @@ so the loads are coalesced) over a range of K; with ``split_k`` > 1 the K ranges
 run in separate programs, each writing a float32 partial, and the last of them to finish (an atomic
 counter) sums the partials in split order (deterministic) and writes the output. The product is
 either a broadcast multiply-and-sum on the CUDA cores (``use_dot=False``, for 1-4 rows) or a tensor-core
-``tl.dot`` with all rows in one tile (padded to a power of two, at least 16: every program reads its
-weight columns once for the whole batch). With ``gated`` the input is a gated MLP's [gate | up] and the
+``tl.dot`` with all rows in one tile of 16. With ``gated`` the input is a gated MLP's [gate | up] and the
 product is over silu(gate) * up, computed as the tiles load (the MLP's down projection without a
 separate activation kernel).
 
@@ -27,9 +26,8 @@ import triton.language as tl
 from nanoinfer.kernels.triton_elementwise import launch_options
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Rows on the CUDA cores (a broadcast product per tile) and on the tensor cores (one tile of rows).
+# Above 16 rows cuBLAS was as fast or faster on every projection (docs/benchmarks.md, run 31).
 MAX_ROWS = 16
-MAX_DOT_ROWS = 256
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MIN_COUNTERS = 1 << 14
 
@@ -56,14 +54,12 @@ class GemvConfig:
 
 def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
     """The default configuration for an [m, k] x [n, k]^T product: CUDA cores for up to 4 rows (a
-    transient product of at most 4096 elements per program), tensor cores above (K tiles of 64 above
-    64 rows, so that the pipelined x tiles fit in shared memory); split-K only when the column blocks
-    alone would leave SMs idle."""
+    transient product of at most 4096 elements per program), tensor cores above; split-K only when
+    the column blocks alone would leave SMs idle."""
     if m <= 4:
         block_n, block_k, use_dot = 8, min(512 // triton.next_power_of_2(m), triton.next_power_of_2(k)), False
     else:
-        block_k = min(128 if m <= 64 else 64, max(16, triton.next_power_of_2(k)))
-        block_n, use_dot = 32, True
+        block_n, block_k, use_dot = 32, min(128, max(16, triton.next_power_of_2(k))), True
     column_blocks = triton.cdiv(n, block_n)
     split_k = 1
     while column_blocks * split_k < num_sms and split_k < 8 and k >= 2 * split_k * block_k:
@@ -234,7 +230,7 @@ def gemv(
     pdl: bool = False,
     gated: bool = False,
 ) -> torch.Tensor:
-    """``x`` [M, K] (unit last stride; 1 <= M <= 16, or up to 256 with a tensor-core config) @
+    """``x`` [M, K] (unit last stride; 1 <= M <= 16) @
     ``weight`` [N, K].T (row-major, as nn.Linear stores it) + ``bias`` [N]: a new [M, N] tensor of
     ``x``'s dtype (or ``out``), float32 accumulation. ``gated``: ``x`` is [M, 2K] = [gate | up] and the
     product is silu(gate) * up @ ``weight``.T."""
@@ -246,10 +242,8 @@ def gemv(
     m = x.shape[0]
     n, k = weight.shape
     config = config or gemv_config(m, n, k)
-    max_rows = MAX_DOT_ROWS if config.use_dot else MAX_ROWS
-    if not 1 <= m <= max_rows:
-        kind = "a tensor-core (use_dot)" if config.use_dot else "a CUDA-core"
-        raise ValueError(f"gemv with {kind} config takes 1 to {max_rows} rows of x, got {m}")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows of x, got {m}")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share one dtype of {_DTYPES}, got {x.dtype} and {weight.dtype}")
     if k < 1 or n < 1 or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -266,7 +260,7 @@ def gemv(
         counters = _split_k_counters(x.device, column_blocks)
     else:
         partial = counters = out
-    block_m = max(16, triton.next_power_of_2(m)) if config.use_dot else triton.next_power_of_2(m)
+    block_m = 16 if config.use_dot else triton.next_power_of_2(m)
     _gemv_kernel[(column_blocks, config.split_k)](
         x,
         weight,
