@@ -417,22 +417,26 @@ def check_store(gen, head_dim, block_size, num_kv_heads=8, num_tokens=300):
 
 
 def decode_configs(quick: bool) -> dict:
-    C = K.attn.DecodeConfig
     configs = {
         "merge_kernel": K.attn.MERGE_KERNEL_DECODE,
         "fused": K.attn.FUSED_DECODE,
-        "fused_n32": C(block_n=32),  # FP8's default below a full grid
-        "fused_n32_w1_s2": C(block_n=32, num_warps=1, num_stages=2),  # FP8's full-grid default
-        # One program per (sequence, split) over every kv head: whole cache slots per tile.
-        "heads_n16": C(mode="merge_kernel", block_n=16, all_kv_heads=True),
-        "heads_n16_s2": C(mode="merge_kernel", block_n=16, num_stages=2, all_kv_heads=True),
-        "heads_n16_w8": C(mode="merge_kernel", block_n=16, num_warps=8, all_kv_heads=True),
-        "heads_n16_t1": C(mode="merge_kernel", block_n=16, target_programs_per_sm=1, all_kv_heads=True),
-        "heads_n16_t8": C(mode="merge_kernel", block_n=16, target_programs_per_sm=8, all_kv_heads=True),
-        "heads_n32_s2": C(mode="merge_kernel", block_n=32, num_stages=2, all_kv_heads=True),
-        "heads_n32_w8_s2": C(mode="merge_kernel", block_n=32, num_warps=8, num_stages=2, all_kv_heads=True),
+        "fused_n32": K.attn.DecodeConfig(block_n=32),
+        "fused_n16": K.attn.DecodeConfig(block_n=16),
+        "fused_n32_min2": K.attn.DecodeConfig(block_n=32, min_split_tiles=2),
+        "fused_n64_min2": K.attn.DecodeConfig(min_split_tiles=2),
+        "fused_t2": K.attn.DecodeConfig(target_programs_per_sm=2),
+        "fused_n32_w2": K.attn.DecodeConfig(block_n=32, num_warps=2),
+        "fused_s2": K.attn.DecodeConfig(num_stages=2),
+        # Whether loads are pipelined (s1 against s3/s4) and how tile size and warps move the FP8 cache.
+        "fused_n32_s1": K.attn.DecodeConfig(block_n=32, num_stages=1),
+        "fused_n32_s4": K.attn.DecodeConfig(block_n=32, num_stages=4),
+        "fused_n16_w2": K.attn.DecodeConfig(block_n=16, num_warps=2),
+        "fused_n32_w1": K.attn.DecodeConfig(block_n=32, num_warps=1),
+        "fused_n128_w8": K.attn.DecodeConfig(block_n=128, num_warps=8),
+        "fused_n32_w1_s2": K.attn.DecodeConfig(block_n=32, num_warps=1, num_stages=2),
+        "fused_n16_w1_s4": K.attn.DecodeConfig(block_n=16, num_warps=1, num_stages=4),
     }
-    return {k: configs[k] for k in ("merge_kernel", "fused", "heads_n16")} if quick else configs
+    return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32")} if quick else configs
 
 
 def decode_reference(query, paged, seq_lens, scale) -> torch.Tensor:
@@ -611,14 +615,12 @@ def run_decode_correctness(gen, quick):
         (128, 16, 2, 1, 1, 8),
         (128, 256, 7, 3, 2000, 2),
     ]
-    # Every shape through the two merge schemes and the all-heads program; the other variants (timed at
-    # head_dim 128, block 16) on the timed shapes' kind, a long context and a GQA group of 7 (padded
-    # query rows).
-    full = ("merge_kernel", "fused", "heads_n16")
+    # Every shape through the two schemes; the other variants (timed at head_dim 128, block 16) on the
+    # timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
     for name, config in configs.items():
-        for shape in shapes if name in full else (shapes[0], shapes[1], shapes[6]):
+        for shape in shapes if name in ("merge_kernel", "fused") else (shapes[0], shapes[1], shapes[6]):
             check_decode(gen, *shape, name, config)
-    for name in full:
+    for name in ("merge_kernel", "fused"):
         for shape in shapes[:4]:
             check_decode(gen, *shape, name, configs[name], fp8=True)
         check_decode_graph(gen, name, configs[name])
@@ -937,14 +939,11 @@ def time_decode(gen, quick):
             res[f"{kv} B={batch} ctx={ctx}"] = entry
             timed = {k: v["us"] for k, v in entry.items() if "us" in v and "table" not in k}
             best = min(timed, key=timed.get)
-            heads = {k: us for k, us in timed.items() if k.startswith("heads")}
-            best_heads = min(heads, key=heads.get) if heads else None
             default = entry["default"]
             TABLE.append(
                 (
                     f"decode {kv} B={batch} ctx={ctx} (graph)",
-                    f"default {default['us']:.1f} us ({default['kv_tbps']:.2f} TB/s KV), best all-heads "
-                    f"{best_heads} {heads.get(best_heads, float('nan')):.1f} us, "
+                    f"default {default['us']:.1f} us ({default['kv_tbps']:.2f} TB/s KV), "
                     f"best {best} {timed[best]:.1f} us",
                 )
             )

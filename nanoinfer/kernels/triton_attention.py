@@ -44,12 +44,6 @@ class DecodeConfig:
     writes its output directly) or ``"merge_kernel"`` (every grid split writes a partial and a second
     kernel merges them: the default, see ``default_decode_config``). The grid's split count aims at
     ``target_programs_per_sm`` programs per SM, at most ``max_splits``.
-
-    ``all_kv_heads``: one program per (sequence, split) instead of per (sequence, kv head, split). Its
-    K/V tiles are ``block_n`` whole cache slots (every kv head of a token, adjacent in the cache: one
-    contiguous run per block instead of a 128-byte row per token and head), and all query heads are
-    the rows of one ``tl.dot`` against them, the scores of other heads' keys masked out: the tensor
-    cores do ``num_kv_heads`` times the products, for wider, fewer memory accesses. Merge-kernel mode.
     """
 
     mode: str = "fused"
@@ -59,13 +53,10 @@ class DecodeConfig:
     min_split_tiles: int = 1
     target_programs_per_sm: int = 4
     max_splits: int = 64
-    all_kv_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("fused", "merge_kernel"):
             raise ValueError(f"DecodeConfig.mode must be 'fused' or 'merge_kernel', got {self.mode!r}")
-        if self.all_kv_heads and self.mode != "merge_kernel":
-            raise ValueError("DecodeConfig.all_kv_heads needs mode='merge_kernel'")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
         for name in ("num_warps", "num_stages", "min_split_tiles", "target_programs_per_sm", "max_splits"):
@@ -401,12 +392,13 @@ def _store_partial(
     heads,
     row_mask,
     split,
-    num_heads,
+    group,
     num_splits,
     HEAD_DIM: tl.constexpr,
 ):
     """A split's normalised output and log2-sum-exp (-inf for an empty range) in the workspace, laid out
     [batch, num_heads, num_splits, (HEAD_DIM)]."""
+    num_heads = tl.num_programs(1) * group
     part_row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
     dims = tl.arange(0, HEAD_DIM)
     tl.store(partial_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
@@ -514,16 +506,16 @@ def _decode_kernel(
         acc = acc * (_load_scale(v_scale_ptr, V_SCALED) / tl.where(has_keys, l_i, 1.0))[:, None]
         if MODE == _MODE_MERGE_KERNEL:
             _store_partial(
-                partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split,
-                tl.num_programs(1) * group, num_splits, HEAD_DIM,
+                partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split, group,
+                num_splits, HEAD_DIM,
             )  # fmt: skip
         elif used_splits == 1:
             out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
         else:
             _store_partial(
-                partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split,
-                tl.num_programs(1) * group, num_splits, HEAD_DIM,
+                partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split, group,
+                num_splits, HEAD_DIM,
             )  # fmt: skip
             # Every thread's partial stores come before the counter's release; the last split to arrive
             # (acquire) merges them all and resets the counter for the next launch.
@@ -543,111 +535,6 @@ def _decode_kernel(
                     out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
                     tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
-def _decode_all_heads_kernel(
-    query_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    partial_out_ptr,
-    partial_lse_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    scale_log2,
-    num_heads,
-    group,
-    num_kv_heads,
-    num_splits,
-    stride_qb,
-    stride_qh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    stride_bt,
-    stride_ob,
-    stride_oh,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    KV_HEADS_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    K_SCALED: tl.constexpr,
-    V_SCALED: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One program = one (sequence, split) over every head: a tile's columns are (token, kv head)
-    pairs in cache order, its rows all query heads; a row's scores against other kv heads' columns
-    are masked out, so that its probabilities weight only its own head's values. Padded rows (past
-    num_heads) attend to every column and are never stored."""
-    pdl_prologue(USE_PDL)
-    seq = tl.program_id(0)
-    split = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N if SPLIT else seq_len
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    rows = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, HEAD_DIM)
-    row_mask = rows < num_heads
-    q = tl.load(
-        query_ptr + seq.to(tl.int64) * stride_qb + rows[:, None] * stride_qh + dims[None, :],
-        mask=row_mask[:, None],
-        other=0.0,
-    )
-    q = _matmul_dtype(q, k_cache_ptr)
-    qk_scale = scale_log2 * _load_scale(k_scale_ptr, K_SCALED)
-    cols = tl.arange(0, BLOCK_N * KV_HEADS_P)
-    col_head = cols % KV_HEADS_P
-    col_token = cols // KV_HEADS_P
-    own_head = (rows[:, None] // group == col_head[None, :]) | (rows[:, None] >= num_heads)
-    k_cols = col_head.to(tl.int64) * stride_kch
-    v_cols = col_head.to(tl.int64) * stride_vch
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    # Every tile visited holds at least one valid key of every head, so m_i is finite after the first.
-    for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + col_token
-        col_mask = (tokens < end) & (col_head < num_kv_heads)
-        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=col_mask, other=0).to(tl.int64)
-        offsets = tokens % BLOCK_SIZE
-        k = tl.load(
-            k_cache_ptr + (block_ids * stride_kcb + offsets * stride_kcs + k_cols)[:, None] + dims[None, :],
-            mask=col_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + (block_ids * stride_vcb + offsets * stride_vcs + v_cols)[:, None] + dims[None, :],
-            mask=col_mask[:, None],
-            other=0.0,
-        )
-        scores = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-        scores = tl.where(own_head & col_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
-    has_keys = l_i > 0.0
-    acc = acc * (_load_scale(v_scale_ptr, V_SCALED) / tl.where(has_keys, l_i, 1.0))[:, None]
-    if SPLIT:
-        _store_partial(
-            partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, rows, row_mask, split, num_heads,
-            num_splits, HEAD_DIM,
-        )  # fmt: skip
-    else:
-        out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + rows[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -702,7 +589,7 @@ def decode_num_splits(
     """Static split count of a decode launch's grid (it depends on shapes only, never on seq_lens):
     enough (sequence, kv head, split) programs to keep every multiprocessor busy, never more splits
     than the context has (minimum-size) splits."""
-    programs = max(1, batch * (1 if config.all_kv_heads else num_kv_heads))
+    programs = max(1, batch * num_kv_heads)
     if programs >= _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
         return 1
     wanted = triton.cdiv(config.target_programs_per_sm * num_sms, programs)
@@ -855,72 +742,38 @@ def _launch_decode(
     # from the batch would otherwise compile a new variant the first time a batch size is met.
     block_s = triton.next_power_of_2(config.max_splits)
     options = launch_options(pdl, query.device)
-    if config.all_kv_heads:
-        _decode_all_heads_kernel[(batch, num_splits)](
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            out,
-            partial_out,
-            partial_lse,
-            scale_log2=scale * _LOG2E,
-            num_heads=num_heads,
-            group=group,
-            num_kv_heads=num_kv_heads,
-            num_splits=num_splits,
-            stride_qb=query.stride(0),
-            stride_qh=query.stride(1),
-            **_cache_strides(k_cache, v_cache),
-            stride_bt=block_tables.stride(0),
-            stride_ob=out.stride(0),
-            stride_oh=out.stride(1),
-            BLOCK_SIZE=k_cache.shape[1],
-            HEAD_DIM=head_dim,
-            BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
-            KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
-            BLOCK_N=config.block_n,
-            SPLIT=num_splits > 1,
-            USE_PDL=pdl,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **_scale_args(k_scale, v_scale, out),
-            **options,
-        )
-    else:
-        _decode_kernel[(batch, num_kv_heads, num_splits)](
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            out,
-            partial_out,
-            partial_lse,
-            counters,
-            scale_log2=scale * _LOG2E,
-            group=group,
-            num_splits=num_splits,
-            stride_qb=query.stride(0),
-            stride_qh=query.stride(1),
-            **_cache_strides(k_cache, v_cache),
-            stride_bt=block_tables.stride(0),
-            stride_ob=out.stride(0),
-            stride_oh=out.stride(1),
-            BLOCK_SIZE=k_cache.shape[1],
-            HEAD_DIM=head_dim,
-            BLOCK_G=_group_block(group),
-            BLOCK_N=config.block_n,
-            BLOCK_S=block_s,
-            MODE=mode,
-            MIN_SPLIT_TILES=config.min_split_tiles,
-            USE_PDL=pdl,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **_scale_args(k_scale, v_scale, out),
-            **options,
-        )
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        partial_out,
+        partial_lse,
+        counters,
+        scale_log2=scale * _LOG2E,
+        group=group,
+        num_splits=num_splits,
+        stride_qb=query.stride(0),
+        stride_qh=query.stride(1),
+        **_cache_strides(k_cache, v_cache),
+        stride_bt=block_tables.stride(0),
+        stride_ob=out.stride(0),
+        stride_oh=out.stride(1),
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_G=_group_block(group),
+        BLOCK_N=config.block_n,
+        BLOCK_S=block_s,
+        MODE=mode,
+        MIN_SPLIT_TILES=config.min_split_tiles,
+        USE_PDL=pdl,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **_scale_args(k_scale, v_scale, out),
+        **options,
+    )
     if mode == _MODE_MERGE_KERNEL.value:
         _decode_merge_kernel[(batch, num_heads)](
             partial_out,

@@ -90,8 +90,6 @@ DECODE_CONFIGS = {
     "merge_kernel": "MERGE_KERNEL_DECODE",
     "fused": "FUSED_DECODE",
     "fused_small_tiles": dict(block_n=16, min_split_tiles=2),
-    "all_kv_heads": dict(mode="merge_kernel", block_n=16, all_kv_heads=True),
-    "all_kv_heads_one_split": dict(mode="merge_kernel", block_n=32, all_kv_heads=True, max_splits=1),
 }
 
 
@@ -108,7 +106,6 @@ def _decode_config(kernels, name):
 DECODE_VARIANTS = [(name, False) for name in sorted(DECODE_CONFIGS)] + [
     ("default", True),
     ("merge_kernel", True),
-    ("all_kv_heads", True),
 ]
 
 
@@ -170,10 +167,6 @@ def test_fused_decode_splits_short_contexts_on_the_device():
     assert kernels.decode_num_splits(256, 8, 4096, 132, config) == 1
     assert kernels.decode_num_splits(1, 8, 4096, 132, kernels.MERGE_KERNEL_DECODE) == 64
     assert kernels.decode_num_splits(4, 8, 100, 132, kernels.MERGE_KERNEL_DECODE) == 2
-    # One program per sequence, not per (sequence, kv head): splits fill the grid up to larger batches.
-    all_heads = kernels.DecodeConfig(mode="merge_kernel", all_kv_heads=True)
-    assert kernels.decode_num_splits(256, 8, 4096, 132, kernels.MERGE_KERNEL_DECODE) == 1
-    assert kernels.decode_num_splits(256, 8, 4096, 132, all_heads) == 2
     gen = generator(11)
     seq_lens = [5, 70, 33]
     tables, num_blocks = random_tables(gen, [1024] * 3, 16)  # wide tables: many grid splits
@@ -314,7 +307,5 @@ def test_input_validation_names_the_field():
         kernels.paged_decode_attention(query[:, :2], k_cache, k_cache, tables, lens, 0.1, k_scale=scale)
     with pytest.raises(ValueError, match="mode"):
         kernels.DecodeConfig(mode="other")
-    with pytest.raises(ValueError, match="all_kv_heads needs mode='merge_kernel'"):
-        kernels.DecodeConfig(all_kv_heads=True)
     with pytest.raises(ValueError, match="block_m"):
         kernels.PrefillConfig(block_m=48)
