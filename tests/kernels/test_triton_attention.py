@@ -309,3 +309,47 @@ def test_input_validation_names_the_field():
         kernels.DecodeConfig(mode="other")
     with pytest.raises(ValueError, match="block_m"):
         kernels.PrefillConfig(block_m=48)
+
+
+def _slot_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same [blocks, slots, heads, head_dim] values stored slot-fastest: [blocks, heads, head_dim,
+    slots] in memory."""
+    return cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("config_name", ["merge_kernel", "fused", "fused_small_tiles"])
+@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", DECODE_CASES)
+def test_paged_decode_reads_a_slot_major_value_cache(
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, config_name, fp8
+):
+    kernels = _kernels()
+    config = _decode_config(kernels, config_name)
+    gen = generator(len(seq_lens) * 77 + block_size)
+    batch = len(seq_lens)
+    tables, num_blocks = random_tables(gen, seq_lens, block_size)
+    scales = fp8_scales(0.5, 0.25) if fp8 else (None, None)
+    k_cache, v_cache = random_cache(
+        gen, num_blocks, block_size, num_kv_heads, head_dim, DTYPE, scales if fp8 else None
+    )
+    v_cache = _slot_major(v_cache)
+    # Slots past every sequence's end hold NaN: the kernel reads whole runs of slots and must drop them.
+    filled = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=DEVICE)
+    for row, length in enumerate(seq_lens):
+        for pos in range(length):
+            filled[tables[row, pos // block_size], pos % block_size] = True
+    if fp8:
+        v_cache.view(torch.uint8)[~filled] = 0x7F  # e4m3's NaN
+    else:
+        v_cache[~filled] = float("nan")
+    query = randn(gen, batch, num_heads, head_dim, dtype=DTYPE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full((batch, num_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE)
+    kernels.paged_decode_attention(
+        query, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out, k_scale=scales[0],
+        v_scale=scales[1], config=config,
+    )  # fmt: skip
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, head_dim**-0.5, *scales)
+    assert not out.isnan().any()
+    assert rel_error(out, ref) < _attention_tolerance(DTYPE)
