@@ -169,13 +169,9 @@ def cos_sin_table(max_position: int, head_dim: int, theta: float = 1e6) -> torch
 
 class Paged:
     """Random K/V scattered into a shuffled block pool, and the block tables pointing at it. With
-    ``fp8_scales`` the pool is e4m3, quantized by the reference; with ``slot_major_v`` the V pool is
-    stored slot-fastest."""
+    ``fp8_scales`` the pool is e4m3, quantized by the reference."""
 
-    def __init__(
-        self, gen, seq_lens, num_kv_heads, head_dim, block_size, fp8_scales=None, width=None,
-        slot_major_v=False,
-    ):  # fmt: skip
+    def __init__(self, gen, seq_lens, num_kv_heads, head_dim, block_size, fp8_scales=None, width=None):
         self.seq_lens_list = list(seq_lens)
         blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
         width = max(blocks_per_seq + [1, width or 1])
@@ -195,8 +191,6 @@ class Paged:
             self.k_scale, self.v_scale = fp8_scales
             self.k_cache = K.aref.quantize_fp8_ref(self.k_cache, self.k_scale)
             self.v_cache = K.aref.quantize_fp8_ref(self.v_cache, self.v_scale)
-        if slot_major_v:  # the same values stored [blocks, heads, head_dim, slots]
-            self.v_cache = self.v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         self.kv_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * self.k_cache.element_size()
 
@@ -454,17 +448,13 @@ def decode_reference(query, paged, seq_lens, scale) -> torch.Tensor:
 
 
 def check_decode(
-    gen, head_dim, block_size, group, batch, max_ctx, num_kv_heads, config_name, config, fp8=False,
-    slot_major_v=False,
-):  # fmt: skip
+    gen, head_dim, block_size, group, batch, max_ctx, num_kv_heads, config_name, config, fp8=False
+):
     lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen, device=DEVICE)
     lens[0] = max_ctx
     if batch > 1:
         lens[-1] = 0
-    paged = Paged(
-        gen, lens.tolist(), num_kv_heads, head_dim, block_size, fp8_scales() if fp8 else None,
-        slot_major_v=slot_major_v,
-    )  # fmt: skip
+    paged = Paged(gen, lens.tolist(), num_kv_heads, head_dim, block_size, fp8_scales() if fp8 else None)
     num_heads = num_kv_heads * group
     query = randn(gen, batch, num_heads + 2 * num_kv_heads, head_dim)[:, :num_heads]
     out = poison(batch, num_heads, head_dim)
@@ -485,7 +475,6 @@ def check_decode(
         "Hkv": num_kv_heads,
         "B": batch,
         "ctx": max_ctx,
-        "v": "slot-major" if slot_major_v else "dim-major",
     }
     nan = bool(out.isnan().any())
     err = rel_error(out, expected)
@@ -634,9 +623,6 @@ def run_decode_correctness(gen, quick):
     for name in ("merge_kernel", "fused"):
         for shape in shapes[:4]:
             check_decode(gen, *shape, name, configs[name], fp8=True)
-        for shape in shapes[:4]:
-            for fp8 in (False, True):
-                check_decode(gen, *shape, name, configs[name], fp8=fp8, slot_major_v=True)
         check_decode_graph(gen, name, configs[name])
         check_decode_graph(gen, name, configs[name], pdl=True)
         check_decode_graph(gen, name, configs[name], fp8=True)
@@ -917,20 +903,6 @@ def time_decode(gen, quick):
                     entry[name] = {"us": us, "kv_tbps": paged.kv_bytes / us / 1e6}
                 except Exception as exc:  # noqa: BLE001
                     entry[name] = {"error": repr(exc)[:300]}
-            # The same values with V stored slot-fastest (its tiles load as whole runs of slots).
-            paged.v_cache = paged.v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-            args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
-            for name in ("default", "merge_kernel", "fused", "fused_n32", "fused_n32_w1_s2", "fused_n16"):
-                config = configs.get(name)
-                workspace = K.attn.DecodeWorkspace.allocate(
-                    batch, HEADS, KV_HEADS, HEAD_DIM, width, DEVICE, config, cache_dtype=paged.k_cache.dtype
-                )
-                fn = partial(
-                    K.attn.paged_decode_attention, *args, out=out, workspace=workspace, config=config,
-                    **paged.scales,
-                )  # fmt: skip
-                us = graph_bench(fn) * 1e3
-                entry[f"{name} slot-major v"] = {"us": us, "kv_tbps": paged.kv_bytes / us / 1e6}
             if batch == 1:
                 # The engine's block tables are as wide as the longest allowed sequence: the grid's split
                 # count follows that width, the fused kernel's used splits follow seq_len.
@@ -967,12 +939,12 @@ def time_decode(gen, quick):
             res[f"{kv} B={batch} ctx={ctx}"] = entry
             timed = {k: v["us"] for k, v in entry.items() if "us" in v and "table" not in k}
             best = min(timed, key=timed.get)
-            default, slot = entry["default"], entry["default slot-major v"]
+            default = entry["default"]
             TABLE.append(
                 (
                     f"decode {kv} B={batch} ctx={ctx} (graph)",
-                    f"default {default['us']:.1f} us ({default['kv_tbps']:.2f} TB/s KV), slot-major v "
-                    f"{slot['us']:.1f} us ({slot['kv_tbps']:.2f}), best {best} {timed[best]:.1f} us",
+                    f"default {default['us']:.1f} us ({default['kv_tbps']:.2f} TB/s KV), "
+                    f"best {best} {timed[best]:.1f} us",
                 )
             )
             del paged
@@ -1399,15 +1371,14 @@ def compile_only(quick: bool) -> int:
         for batch in (1, 8, 256):
             tables = torch.zeros(batch, 64, dtype=torch.int32)
             lens = torch.zeros(batch, dtype=torch.int32)
-            slot_major = cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
             for name, config in decode_configs(quick).items():
-                for pdl, v_cache in ((False, cache), (True, cache), (True, slot_major)):
+                for pdl in (False, True):
                     attempt(
-                        f"decode {cache_dtype} B={batch} {name} pdl={pdl} v strides {v_cache.stride()}",
+                        f"decode {cache_dtype} B={batch} {name} pdl={pdl}",
                         K.attn.paged_decode_attention,
                         t(batch, HEADS, HEAD_DIM),
                         cache,
-                        v_cache,
+                        cache,
                         tables,
                         lens,
                         0.1,

@@ -119,11 +119,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
         )
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _CACHE_DTYPES:
         raise ValueError(f"k_cache/v_cache dtype must be one of {_CACHE_DTYPES}, got {k_cache.dtype}")
-    if k_cache.stride(-1) != 1 or (v_cache.stride(-1) != 1 and v_cache.stride(1) != 1):
-        raise ValueError(
-            "k_cache must be contiguous along head_dim (stride(-1) == 1), v_cache along head_dim or "
-            "along the block's slots (stride(1) == 1)"
-        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous along head_dim (stride(-1) == 1)")
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"kv cache block_size must be a power of two, got {block_size}")
@@ -317,12 +314,10 @@ def _decode_range(
     stride_kcs,
     stride_vcb,
     stride_vcs,
-    stride_vcd,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    V_SLOT_MAJOR: tl.constexpr,
 ):
     """Online softmax of the query rows ``q`` [BLOCK_G, D] over keys [start, end): (acc, m, l) with
     scores in log2 units. An empty range gives l == 0."""
@@ -341,21 +336,11 @@ def _decode_range(
             mask=token_mask[:, None],
             other=0.0,
         )
-        if V_SLOT_MAJOR:
-            v_offsets = (block_ids * stride_vcb + offsets)[None, :] + dims[:, None] * stride_vcd
-            run: tl.constexpr = min(BLOCK_N, BLOCK_SIZE)
-            v_offsets = tl.max_contiguous(tl.multiple_of(v_offsets, [1, run]), [1, run])
-            # Unmasked (a token past the end reads its table's block 0 or its own block's unused slots,
-            # memory of the cache either way), so that the loads are whole runs of slots; those values
-            # (any bytes, NaN included) are zeroed, since 0 * NaN would reach the output.
-            v = tl.load(v_head + v_offsets)
-            v = tl.trans(tl.where(token_mask[None, :], v, 0.0))
-        else:
-            v = tl.load(
-                v_head + (block_ids * stride_vcb + offsets * stride_vcs)[:, None] + dims[None, :],
-                mask=token_mask[:, None],
-                other=0.0,
-            )
+        v = tl.load(
+            v_head + (block_ids * stride_vcb + offsets * stride_vcs)[:, None] + dims[None, :],
+            mask=token_mask[:, None],
+            other=0.0,
+        )
         scores = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -450,7 +435,6 @@ def _decode_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
-    stride_vcd,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -461,7 +445,6 @@ def _decode_kernel(
     BLOCK_S: tl.constexpr,
     MODE: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
-    V_SLOT_MAJOR: tl.constexpr,
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -513,12 +496,10 @@ def _decode_kernel(
             stride_kcs,
             stride_vcb,
             stride_vcs,
-            stride_vcd,
             BLOCK_SIZE,
             HEAD_DIM,
             BLOCK_G,
             BLOCK_N,
-            V_SLOT_MAJOR,
         )
         # Empty ranges (seq_len 0, or a split past the end) give l_i == 0: output 0, lse -inf.
         has_keys = l_i > 0.0
@@ -777,8 +758,6 @@ def _launch_decode(
         stride_qb=query.stride(0),
         stride_qh=query.stride(1),
         **_cache_strides(k_cache, v_cache),
-        stride_vcd=v_cache.stride(3),
-        V_SLOT_MAJOR=v_cache.stride(-1) != 1,
         stride_bt=block_tables.stride(0),
         stride_ob=out.stride(0),
         stride_oh=out.stride(1),
