@@ -50,6 +50,8 @@ class StepPlan(NamedTuple):
     row_order: list[int]  # batch row -> index into SchedulerOutput.scheduled
     sample_rows: list[int]  # logits row -> index into SchedulerOutput.scheduled
     prompt_logprob_rows: list[tuple[int, int]]  # (scheduled index, number of positions), in order
+    sample_slots: np.ndarray  # int64, per logits row: its request's persistent slot
+    sample_offsets: np.ndarray  # int64, per logits row: tokens its request has generated (noise key)
 
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
@@ -155,6 +157,8 @@ class InputBatch:
         pending_index: list[int] = []
         pending_source: list[int] = []
         sample_rows: list[int] = []
+        sample_slots: list[int] = []
+        sample_offsets: list[int] = []
         logits_index: list[int] = []
         prompt_logprob_rows: list[tuple[int, int]] = []
         prompt_logprob_index: list[np.ndarray] = []
@@ -187,6 +191,8 @@ class InputBatch:
             offset += r.num_tokens
             if r.samples:
                 sample_rows.append(index)
+                sample_slots.append(slot)
+                sample_offsets.append(r.num_output_tokens)
                 logits_index.append(offset - 1)
 
         positions = np.repeat(starts - np.concatenate([[0], np.cumsum(q_lens)[:-1]]), q_lens)
@@ -215,18 +221,29 @@ class InputBatch:
             pending_source=np.array(pending_source, dtype=np.int64) if pending_source else _EMPTY_I64,
             prompt_logprob_index=np.concatenate(prompt_logprob_index) if prompt_logprob_index else None,
         )
-        return step, StepPlan(row_order, sample_rows, prompt_logprob_rows)
+        plan = StepPlan(
+            row_order,
+            sample_rows,
+            prompt_logprob_rows,
+            np.array(sample_slots, dtype=np.int64),
+            np.array(sample_offsets, dtype=np.int64),
+        )
+        return step, plan
 
     def sampling_metadata(
-        self, out: SchedulerOutput, plan: StepPlan, pending_tokens: torch.Tensor | None
+        self,
+        out: SchedulerOutput,
+        plan: StepPlan,
+        pending_tokens: torch.Tensor | None,
+        device_slots: torch.Tensor,
+        device_offsets: torch.Tensor,
     ) -> SamplingMetadata:
         """The sampling inputs of the step's sampling rows (logits rows, in order). ``pending_tokens``:
         each sampling row's last input token on the device (the previous step's sample where the host
-        does not know it yet), for penalties."""
+        does not know it yet), for penalties. ``device_slots`` / ``device_offsets``: the plan's
+        sample_slots / sample_offsets already on the device (copied with the step's inputs)."""
         rows = [out.scheduled[i] for i in plan.sample_rows]
-        slots = np.fromiter((self.slot_of[r.request_id] for r in rows), np.int64, count=len(rows))
-        device_slots = self.to_device(slots)
-        offsets = np.fromiter((r.num_output_tokens for r in rows), np.int64, count=len(rows))
+        slots = plan.sample_slots
         temperature_host = self.temperature_host[slots]
         banned = [
             self.banned_ids[s] if r.num_output_tokens < self.min_tokens[s] else []
@@ -241,7 +258,7 @@ class InputBatch:
         return SamplingMetadata.from_arrays(
             temperature=self.temperature[device_slots],
             seeds=self.seeds[device_slots],
-            offsets=self.to_device(offsets),
+            offsets=device_offsets,
             top_k=self.top_k[slots],
             top_p=self.top_p[slots],
             min_p=self.min_p[slots],

@@ -395,20 +395,27 @@ class ModelRunner:
     ) -> StepHandle:
         """Rank 0: launches the step (forward, logits, sampling) and returns without waiting for it.
         ``defer_sampling``: stops after the logits; :meth:`sample` launches the rest."""
-        hidden = self._forward(step)
+        hidden, staged = self._forward(step, plan)
         handle = StepHandle(out, plan)
         if step.prompt_logprob_index is not None:
             targets, num_top = self._prompt_logprob_targets(out, plan)
             handle.prompt_logprobs = prompt_logprobs(
-                hidden, self._to_device(step.prompt_logprob_index), targets, num_top, self._compute_logits
+                hidden, staged["prompt_logprob_index"], targets, num_top, self._compute_logits
             )
         if not len(step.logits_index):
             return handle
-        logits_index = self._to_device(step.logits_index)
-        logits = self._compute_logits(hidden[logits_index])
-        last_inputs = self.buffers.input_ids[logits_index]
+        if len(step.logits_index) == len(step.input_ids):
+            # Every token samples (a pure-decode step): the logits rows are the hidden rows, in order.
+            logits = self._compute_logits(hidden)
+            last_inputs = self.buffers.input_ids[: len(step.input_ids)]
+        else:
+            logits_index = staged["logits_index"]
+            logits = self._compute_logits(hidden[logits_index])
+            last_inputs = self.buffers.input_ids[logits_index]
         batch = self.input_batch
-        metadata = batch.sampling_metadata(out, plan, last_inputs)
+        metadata = batch.sampling_metadata(
+            out, plan, last_inputs, staged["sample_slots"], staged["sample_offsets"]
+        )
         # Known now, so that the next step can be prepared before this one's sampling is launched.
         batch.previous_sample_row = {out.scheduled[i].request_id: j for j, i in enumerate(plan.sample_rows)}
         if defer_sampling:
@@ -453,11 +460,11 @@ class ModelRunner:
     def execute_worker_step(self, step: StepInputs) -> None:
         """A tensor-parallel worker's step: the same forward pass and logits as rank 0 (their collectives
         pair up), no sampling."""
-        hidden = self._forward(step)
+        hidden, staged = self._forward(step)
         if step.prompt_logprob_index is not None:
-            prompt_logprobs(hidden, self._to_device(step.prompt_logprob_index), [], [], self._compute_logits)
+            prompt_logprobs(hidden, staged["prompt_logprob_index"], [], [], self._compute_logits)
         if len(step.logits_index):
-            self._compute_logits(hidden[self._to_device(step.logits_index)])
+            self._compute_logits(hidden[staged["logits_index"]])
 
     def _prompt_logprob_targets(self, out: SchedulerOutput, plan: StepPlan) -> tuple[list[int], list[int]]:
         batch = self.input_batch
@@ -472,8 +479,9 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return self.input_batch.to_device(array)
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
-        """The model's hidden states for every token of the step (a pure-decode step replays a graph)."""
+    def _forward(self, step: StepInputs, plan: StepPlan | None = None) -> tuple[torch.Tensor, dict]:
+        """The model's hidden states for every token of the step (a pure-decode step replays a graph), and
+        the device views of the step's index arrays (with ``plan``, rank 0's sampling rows too)."""
         b = self.buffers
         num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
         graph_bs = bucket = None
@@ -483,7 +491,7 @@ class ModelRunner:
             bucket = self.piecewise.bucket_for(num_tokens)
         padded_rows = graph_bs or num_rows
         padded_tokens = graph_bs or bucket or num_tokens
-        staging = self._stage(step, padded_tokens, padded_rows)
+        staging = self._stage(step, padded_tokens, padded_rows, plan)
         batch = self.input_batch
         if len(step.table_slots):
             batch.block_table[staging["table_slots"], staging["table_cols"]] = staging["table_block_ids"]
@@ -494,7 +502,7 @@ class ModelRunner:
             if self.tp_size > 1:
                 broadcast_from_rank0(b.input_ids[:num_tokens])
         if graph_bs is not None:
-            return self.graphs.replay(graph_bs)[:num_rows]
+            return self.graphs.replay(graph_bs)[:num_rows], staging
         num_decode = step.num_decode_rows
         meta = AttentionMetadata(
             slot_mapping=b.slot_mapping[:num_tokens],
@@ -508,13 +516,16 @@ class ModelRunner:
         if 0 < num_decode < num_rows:
             meta.prefill_query_start_loc = staging["prefill_query_start_loc"]
         if bucket is not None:
-            return self.piecewise.run(bucket, meta, num_tokens)
-        return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], meta)
+            return self.piecewise.run(bucket, meta, num_tokens), staging
+        return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], meta), staging
 
-    def _stage(self, step: StepInputs, padded_tokens: int, padded_rows: int) -> dict[str, torch.Tensor]:
+    def _stage(
+        self, step: StepInputs, padded_tokens: int, padded_rows: int, plan: StepPlan | None
+    ) -> dict[str, torch.Tensor]:
         """Copies the step's host arrays into the persistent device buffers (one host-to-device copy of a
-        packed int64 array); graph padding rows write nothing and have no context. Returns the device
-        views of the index arrays."""
+        packed int64 array, which also carries the logits and prompt-logprob indices and, with ``plan``,
+        the sampling rows' slots and noise offsets); graph padding rows write nothing and have no
+        context. Returns the device views of the index arrays."""
         num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
         num_decode = step.num_decode_rows
         parts = {
@@ -529,7 +540,13 @@ class ModelRunner:
             "table_block_ids": (step.table_block_ids, len(step.table_block_ids), 0),
             "pending_index": (step.pending_index, len(step.pending_index), 0),
             "pending_source": (step.pending_source, len(step.pending_source), 0),
+            "logits_index": (step.logits_index, len(step.logits_index), 0),
         }
+        if step.prompt_logprob_index is not None:
+            parts["prompt_logprob_index"] = (step.prompt_logprob_index, len(step.prompt_logprob_index), 0)
+        if plan is not None:
+            parts["sample_slots"] = (plan.sample_slots, len(plan.sample_slots), 0)
+            parts["sample_offsets"] = (plan.sample_offsets, len(plan.sample_offsets), 0)
         if 0 < num_decode < num_rows:
             prefill_starts = step.query_start_loc[num_decode:] - num_decode
             parts["prefill_query_start_loc"] = (prefill_starts, len(prefill_starts), 0)

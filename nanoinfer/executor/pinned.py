@@ -22,24 +22,28 @@ _NUMPY_TO_TORCH = {
 
 
 class PinnedRing:
+    """Copies are ordered on the stream that is current when the ring is made (the engine's steps run on
+    it): each buffer's event is recorded there, created once and reused (looking up the current stream
+    and creating an event cost more host time than the copy's launch)."""
+
     def __init__(self, device: torch.device, num_buffers: int = 32, initial_bytes: int = 1 << 16):
         self.device = device
         self._cuda = device.type == "cuda"
         self._buffers: list[torch.Tensor] = []
-        self._events: list[torch.cuda.Event | None] = []
+        self._events: list[torch.cuda.Event] = []
         if self._cuda:
+            self._stream = torch.cuda.current_stream(device)
             self._buffers = [
                 torch.empty(initial_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(num_buffers)
             ]
-            self._events = [None] * num_buffers
+            self._events = [torch.cuda.Event() for _ in range(num_buffers)]
         self._next = 0
 
     def _take(self, nbytes: int) -> tuple[torch.Tensor, int]:
         index = self._next
         self._next = (index + 1) % len(self._buffers)
-        event = self._events[index]
-        if event is not None:
-            event.synchronize()  # the copy that last used this buffer: normally long finished
+        # The copy that last used this buffer (normally long finished; returns at once if none has).
+        self._events[index].synchronize()
         if self._buffers[index].numel() < nbytes:
             self._buffers[index] = torch.empty(
                 max(nbytes, 2 * self._buffers[index].numel()), dtype=torch.uint8, pin_memory=True
@@ -47,9 +51,7 @@ class PinnedRing:
         return self._buffers[index], index
 
     def _record(self, index: int) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self._events[index] = event
+        self._events[index].record(self._stream)
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """``array`` on the device; the call returns before the copy runs."""

@@ -100,7 +100,9 @@ def test_sampling_arrays_follow_the_slots():
     )
     out.new_requests["k"].min_tokens_banned_ids = [7]
     step, plan = batch.prepare(out)
-    metadata = batch.sampling_metadata(out, plan, None)
+    metadata = batch.sampling_metadata(
+        out, plan, None, batch.to_device(plan.sample_slots), batch.to_device(plan.sample_offsets)
+    )
     assert metadata.temperature.tolist() == [0.0, 0.699999988079071, 1.0]
     assert metadata.greedy.tolist() == [True, False, False]
     assert metadata.seeds.tolist() == [100, 101, 102] and metadata.offsets.tolist() == [0, 1, 2]
