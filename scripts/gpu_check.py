@@ -240,6 +240,36 @@ def structured_checks() -> bool:
     return ok
 
 
+def graph_sampling_checks() -> bool:
+    """Temperature-only sampling inside the decode graphs against the same engine sampling after the
+    graph's forward pass (its sampling graphs dropped): identical tokens, greedy and seeded rows."""
+    path = build_model(
+        tempfile.mkdtemp(prefix="gpu-check-graph-sampling-"), hidden_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+        weight_std=0.04, dtype="bfloat16",
+    )  # fmt: skip
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 40, 90, 200, 333, 20, 64, 7, 150)]
+    params = [
+        SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8, seed=i, max_tokens=40, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    tokens = []
+    for in_graph in (True, False):
+        llm = LLM(path)
+        graphs = llm.llm_engine.engine_core.executor.runner.graphs
+        captured = bool(graphs.sampling_graphs)
+        if not in_graph:
+            graphs.sampling_graphs.clear()
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.close()
+    ok = captured and tokens[0] == tokens[1]
+    mismatched = [i for i, (a, b) in enumerate(zip(*tokens, strict=True)) if a != b]
+    RESULTS["graph_sampling"] = {"ok": ok, "captured": captured, "mismatched_prompts": mismatched}
+    log(f"{'PASS' if ok else 'FAIL'} sampling inside the decode graphs: mismatched prompts {mismatched}")
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-kernels", action="store_true")
@@ -257,6 +287,7 @@ def main() -> int:
     try:
         started = time.perf_counter()
         ok &= engine_checks()
+        ok &= graph_sampling_checks()
         ok &= fp8_checks()
         ok &= structured_checks()
         log(f"[engine] {time.perf_counter() - started:.0f}s")

@@ -258,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         result["mixed_step_profile"] = profile_decode_step(llm, batch=128, context=600, prompt_per_step=1024)
         result["eager_mixed_and_prefill"] = _eager_mixed_and_prefill(llm)
         result["graph_replay_ms"] = graph_replay_times(llm)
+        result["sampling_graph_replay_ms"] = graph_replay_times(llm, sampling=True)
         result["sync_probe"] = sync_probe(llm)
         if args.pdl_ab:
             result["without_pdl"] = _without_pdl(llm)
@@ -637,24 +638,28 @@ def _without_pdl(llm) -> dict[str, Any]:
         switch(True)
 
 
-def graph_replay_times(llm, batch_sizes: tuple[int, ...] = (1, 8, 64, 256), replays: int = 50) -> dict:
+def graph_replay_times(
+    llm, batch_sizes: tuple[int, ...] = (1, 8, 64, 256), replays: int = 50, sampling: bool = False
+) -> dict:
     """GPU time of one replay of the decode graph of each batch size (events around many replays; the
-    graph's inputs as the last step left them)."""
+    graph's inputs as the last step left them); with ``sampling``, of the graph that also computes the
+    logits and samples."""
     import torch
 
     graphs = llm.llm_engine.engine_core.executor.runner.graphs
-    if graphs is None:
+    if graphs is None or (sampling and not graphs.sampling_graphs):
         return {}
+    replay = graphs.replay_and_sample if sampling else graphs.replay
     times = {}
     for batch in batch_sizes:
         size = graphs.batch_size_for(batch)
         if size is None:
             continue
-        graphs.replay(size)
+        replay(size)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
-            graphs.replay(size)
+            replay(size)
         end.record()
         end.synchronize()
         times[str(batch)] = round(start.elapsed_time(end) / replays, 4)

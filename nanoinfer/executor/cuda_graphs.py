@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanoinfer.executor.input_batch import SamplingBuffers
 from nanoinfer.layers.attention import AttentionMetadata
 
 
@@ -59,13 +60,27 @@ class StepBuffers:
 
 
 class CudaGraphs:
-    def __init__(self, model: nn.Module, buffers: StepBuffers, hidden_size: int, dtype: torch.dtype):
+    """Per batch size, a graph of the forward pass (hidden states into ``output``) and, with ``sampling``
+    (the step's sampling rows' temperature, seed and offset buffers), a second one that also computes
+    the logits and samples every row by temperature alone into ``tokens``: a step whose rows use no
+    filter, penalty or logprobs replays that one and launches nothing else."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        buffers: StepBuffers,
+        hidden_size: int,
+        dtype: torch.dtype,
+        sampling: SamplingBuffers | None = None,
+    ):
         self.model = model
         self.buffers = buffers
+        self.sampling = sampling
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.output = torch.zeros(
-            buffers.seq_lens.shape[0], hidden_size, dtype=dtype, device=buffers.seq_lens.device
-        )
+        self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        rows, device = buffers.seq_lens.shape[0], buffers.seq_lens.device
+        self.output = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
 
     @torch.inference_mode()
     def capture(self, sizes: list[int], max_model_len: int) -> None:
@@ -83,7 +98,22 @@ class CudaGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
             torch.cuda.synchronize()
+            if self.sampling is not None:
+                self._forward_and_sample(bs, meta)
+                torch.cuda.synchronize()
+                sampling_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(sampling_graph, pool):
+                    self._forward_and_sample(bs, meta)
+                self.sampling_graphs[bs] = sampling_graph
+                torch.cuda.synchronize()
         self.graphs = dict(sorted(self.graphs.items()))
+
+    def _forward_and_sample(self, bs: int, meta: AttentionMetadata) -> None:
+        from nanoinfer.kernels.triton_sampling import gumbel_sample
+
+        b, s = self.buffers, self.sampling
+        logits = self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta))
+        gumbel_sample(logits, s.temperature[:bs], s.seeds[:bs], s.offsets[:bs], out=self.tokens[:bs])
 
     def batch_size_for(self, num_rows: int) -> int | None:
         """The graph a pure-decode batch of ``num_rows`` rows replays, or None (run eagerly)."""
@@ -93,8 +123,14 @@ class CudaGraphs:
         self.graphs[batch_size].replay()
         return self.output[:batch_size]
 
+    def replay_and_sample(self, batch_size: int) -> torch.Tensor:
+        """The sampled tokens [batch_size] (padding rows' too) of the graph that also samples."""
+        self.sampling_graphs[batch_size].replay()
+        return self.tokens[:batch_size]
+
     def clear(self) -> None:
         self.graphs.clear()
+        self.sampling_graphs.clear()
 
 
 def piecewise_token_buckets(max_num_batched_tokens: int) -> list[int]:

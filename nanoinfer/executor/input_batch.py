@@ -54,6 +54,14 @@ class StepPlan(NamedTuple):
     sample_offsets: np.ndarray  # int64, per logits row: tokens its request has generated (noise key)
 
 
+class SamplingBuffers(NamedTuple):
+    """Fixed device buffers [max_num_seqs] of the step's sampling rows, in logits-row order."""
+
+    temperature: torch.Tensor  # float32
+    seeds: torch.Tensor  # int64
+    offsets: torch.Tensor  # int64
+
+
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 
 
@@ -73,6 +81,13 @@ class InputBatch:
         self.temperature_host = np.zeros(max_num_seqs, dtype=np.float32)
         self.temperature = torch.zeros(max_num_seqs, dtype=torch.float32, device=device)
         self.seeds = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        # The step's sampling rows' temperature, seed and noise offset, gathered into fixed buffers (a
+        # decode graph that samples reads them there).
+        self.step_sampling = SamplingBuffers(
+            temperature=torch.zeros(max_num_seqs, dtype=torch.float32, device=device),
+            seeds=torch.zeros(max_num_seqs, dtype=torch.int64, device=device),
+            offsets=torch.zeros(max_num_seqs, dtype=torch.int64, device=device),
+        )
         self.top_k = np.zeros(max_num_seqs, dtype=np.int64)
         self.top_p = np.ones(max_num_seqs, dtype=np.float64)
         self.min_p = np.zeros(max_num_seqs, dtype=np.float64)
@@ -255,10 +270,15 @@ class InputBatch:
             pending = torch.where(is_pending, pending_tokens, torch.full_like(pending_tokens, -1))
         empty = np.zeros(0, dtype=np.int64)
         output_ids = [r.output_token_ids if r.output_token_ids is not None else empty for r in rows]
+        n = len(rows)
+        buffers = self.step_sampling
+        temperature = torch.index_select(self.temperature, 0, device_slots, out=buffers.temperature[:n])
+        seeds = torch.index_select(self.seeds, 0, device_slots, out=buffers.seeds[:n])
+        offsets = buffers.offsets[:n].copy_(device_offsets)
         return SamplingMetadata.from_arrays(
-            temperature=self.temperature[device_slots],
-            seeds=self.seeds[device_slots],
-            offsets=device_offsets,
+            temperature=temperature,
+            seeds=seeds,
+            offsets=offsets,
             top_k=self.top_k[slots],
             top_p=self.top_p[slots],
             min_p=self.min_p[slots],

@@ -36,7 +36,7 @@ from nanoinfer.models.checkpoint import load_weights
 from nanoinfer.models.decoder import DecoderForCausalLM
 from nanoinfer.sample.logprobs import LogprobsTensors, TokenLogprobs
 from nanoinfer.sample.metadata import SamplingMetadata
-from nanoinfer.sample.sampler import Sampler, prompt_logprobs
+from nanoinfer.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured.bitmask_ref import apply_token_bitmask_ref
 
@@ -169,7 +169,12 @@ class ModelRunner:
             self._warm_up_kernels()
         # Every rank captures the same graphs, so collectives inside them pair up on replay.
         if use_graphs:
-            self.graphs = CudaGraphs(self.model, self.buffers, config.hf_config.hidden_size, self.dtype)
+            # Sampling inside the graphs only without tensor parallelism: a worker would have to know
+            # which of the two graphs rank 0 replays, so that their collectives pair up.
+            sampling = self.input_batch.step_sampling if self.tp_size == 1 else None
+            self.graphs = CudaGraphs(
+                self.model, self.buffers, config.hf_config.hidden_size, self.dtype, sampling
+            )
             self.graphs.capture(graph_sizes, config.max_model_len)
             self.piecewise = PiecewiseGraphs(
                 self.model, self.buffers, self.attention_layers, first.num_heads, self.head_dim, self.dtype
@@ -395,29 +400,43 @@ class ModelRunner:
     ) -> StepHandle:
         """Rank 0: launches the step (forward, logits, sampling) and returns without waiting for it.
         ``defer_sampling``: stops after the logits; :meth:`sample` launches the rest."""
-        hidden, staged = self._forward(step, plan)
+        graph_bs, bucket = self._route(step)
+        staged = self._load_inputs(step, plan, graph_bs, bucket)
         handle = StepHandle(out, plan)
+        batch = self.input_batch
+        num_tokens = len(step.input_ids)
+        # Every token samples (a pure-decode step): the logits rows are the hidden rows, in order.
+        decode_only = len(step.logits_index) == num_tokens
+        metadata = None
+        if len(step.logits_index):
+            b = self.buffers
+            last_inputs = b.input_ids[:num_tokens] if decode_only else b.input_ids[staged["logits_index"]]
+            metadata = batch.sampling_metadata(
+                out, plan, last_inputs, staged["sample_slots"], staged["sample_offsets"]
+            )
+            # Known now, so that the next step can be prepared before this one's sampling is launched.
+            scheduled = out.scheduled
+            batch.previous_sample_row = {scheduled[i].request_id: j for j, i in enumerate(plan.sample_rows)}
+        if (
+            metadata is not None
+            and metadata.temperature_only
+            and graph_bs is not None
+            and self.graphs.sampling_graphs
+            and not defer_sampling
+            and step.prompt_logprob_index is None
+        ):
+            tokens = self.graphs.replay_and_sample(graph_bs)[:num_tokens]
+            self._take_tokens(handle, SamplerOutput(tokens), {})
+            return handle
+        hidden = self._run_model(step, staged, graph_bs, bucket)
         if step.prompt_logprob_index is not None:
             targets, num_top = self._prompt_logprob_targets(out, plan)
             handle.prompt_logprobs = prompt_logprobs(
                 hidden, staged["prompt_logprob_index"], targets, num_top, self._compute_logits
             )
-        if not len(step.logits_index):
+        if metadata is None:
             return handle
-        if len(step.logits_index) == len(step.input_ids):
-            # Every token samples (a pure-decode step): the logits rows are the hidden rows, in order.
-            logits = self._compute_logits(hidden)
-            last_inputs = self.buffers.input_ids[: len(step.input_ids)]
-        else:
-            logits_index = staged["logits_index"]
-            logits = self._compute_logits(hidden[logits_index])
-            last_inputs = self.buffers.input_ids[logits_index]
-        batch = self.input_batch
-        metadata = batch.sampling_metadata(
-            out, plan, last_inputs, staged["sample_slots"], staged["sample_offsets"]
-        )
-        # Known now, so that the next step can be prepared before this one's sampling is launched.
-        batch.previous_sample_row = {out.scheduled[i].request_id: j for j, i in enumerate(plan.sample_rows)}
+        logits = self._compute_logits(hidden if decode_only else hidden[staged["logits_index"]])
         if defer_sampling:
             handle.deferred = (logits, metadata)
         else:
@@ -444,7 +463,10 @@ class ModelRunner:
         self._sample(handle, logits, metadata)
 
     def _sample(self, handle: StepHandle, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
-        sampled, failed = self.sampler.sample_isolating_faults(logits, metadata)
+        self._take_tokens(handle, *self.sampler.sample_isolating_faults(logits, metadata))
+
+    def _take_tokens(self, handle: StepHandle, sampled: SamplerOutput, failed: dict[int, str]) -> None:
+        """The step's sampled tokens: the next step's inputs, and on their way to the host."""
         batch = self.input_batch
         # A failed row's token (-1) must not become the next step's input, which it still is (its
         # request ends only when this step's result is read).
@@ -460,7 +482,9 @@ class ModelRunner:
     def execute_worker_step(self, step: StepInputs) -> None:
         """A tensor-parallel worker's step: the same forward pass and logits as rank 0 (their collectives
         pair up), no sampling."""
-        hidden, staged = self._forward(step)
+        graph_bs, bucket = self._route(step)
+        staged = self._load_inputs(step, None, graph_bs, bucket)
+        hidden = self._run_model(step, staged, graph_bs, bucket)
         if step.prompt_logprob_index is not None:
             prompt_logprobs(hidden, staged["prompt_logprob_index"], [], [], self._compute_logits)
         if len(step.logits_index):
@@ -479,19 +503,28 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return self.input_batch.to_device(array)
 
-    def _forward(self, step: StepInputs, plan: StepPlan | None = None) -> tuple[torch.Tensor, dict]:
-        """The model's hidden states for every token of the step (a pure-decode step replays a graph), and
-        the device views of the step's index arrays (with ``plan``, rank 0's sampling rows too)."""
-        b = self.buffers
-        num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
-        graph_bs = bucket = None
+    def _route(self, step: StepInputs) -> tuple[int | None, int | None]:
+        """The decode graph the step replays (a pure-decode step), else the piecewise graphs' token
+        bucket it runs in; (None, None): eager."""
+        num_rows = len(step.seq_lens)
         if self.graphs is not None and step.num_decode_rows == num_rows:
             graph_bs = self.graphs.batch_size_for(num_rows)
-        if graph_bs is None and self.piecewise is not None:
-            bucket = self.piecewise.bucket_for(num_tokens)
+            if graph_bs is not None:
+                return graph_bs, None
+        if self.piecewise is not None:
+            return None, self.piecewise.bucket_for(len(step.input_ids))
+        return None, None
+
+    def _load_inputs(
+        self, step: StepInputs, plan: StepPlan | None, graph_bs: int | None, bucket: int | None
+    ) -> dict:
+        """Fills the persistent step buffers (block-table rows, pending input tokens included) for the
+        run that :meth:`_route` chose (padded to its graph's rows or bucket's tokens); returns the device
+        views of the step's index arrays (with ``plan``, rank 0's sampling rows too)."""
+        b = self.buffers
+        num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
         padded_rows = graph_bs or num_rows
-        padded_tokens = graph_bs or bucket or num_tokens
-        staging = self._stage(step, padded_tokens, padded_rows, plan)
+        staging = self._stage(step, graph_bs or bucket or num_tokens, padded_rows, plan)
         batch = self.input_batch
         if len(step.table_slots):
             batch.block_table[staging["table_slots"], staging["table_cols"]] = staging["table_block_ids"]
@@ -501,8 +534,16 @@ class ModelRunner:
                 b.input_ids[staging["pending_index"]] = batch.previous_sampled[staging["pending_source"]]
             if self.tp_size > 1:
                 broadcast_from_rank0(b.input_ids[:num_tokens])
+        return staging
+
+    def _run_model(
+        self, step: StepInputs, staging: dict, graph_bs: int | None, bucket: int | None
+    ) -> torch.Tensor:
+        """The model's hidden states for every token of the step (a pure-decode step replays a graph)."""
+        b = self.buffers
+        num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
         if graph_bs is not None:
-            return self.graphs.replay(graph_bs)[:num_rows], staging
+            return self.graphs.replay(graph_bs)[:num_rows]
         num_decode = step.num_decode_rows
         meta = AttentionMetadata(
             slot_mapping=b.slot_mapping[:num_tokens],
@@ -516,8 +557,8 @@ class ModelRunner:
         if 0 < num_decode < num_rows:
             meta.prefill_query_start_loc = staging["prefill_query_start_loc"]
         if bucket is not None:
-            return self.piecewise.run(bucket, meta, num_tokens), staging
-        return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], meta), staging
+            return self.piecewise.run(bucket, meta, num_tokens)
+        return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], meta)
 
     def _stage(
         self, step: StepInputs, padded_tokens: int, padded_rows: int, plan: StepPlan | None

@@ -123,6 +123,20 @@ class SamplingMetadata:
     def all_greedy(self) -> bool:
         return bool(self.greedy.all())
 
+    @property
+    def temperature_only(self) -> bool:
+        """No row uses a filter, penalty, banned token, logit control or logprobs: every row's token is
+        the Gumbel-max (or, at temperature 0, the argmax) of its logits."""
+        return (
+            self.top_k is None
+            and self.top_p is None
+            and self.min_p is None
+            and self.penalties is None
+            and self.banned is None
+            and self.num_logprobs is None
+            and self.logit_controls is None
+        )
+
     def select(self, rows: list[int]) -> SamplingMetadata:
         """The metadata of some rows only (in the given order); features those rows do not use are off."""
         index = torch.tensor(rows, device=self.temperature.device)

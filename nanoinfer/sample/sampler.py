@@ -64,15 +64,7 @@ def sample_greedy_or_gumbel(logits: torch.Tensor, metadata: SamplingMetadata) ->
 class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """One token per row of ``logits`` ([rows, vocab])."""
-        if (
-            metadata.top_k is None
-            and metadata.top_p is None
-            and metadata.min_p is None
-            and metadata.penalties is None
-            and metadata.banned is None
-            and metadata.num_logprobs is None
-            and metadata.logit_controls is None
-        ):
+        if metadata.temperature_only:
             return SamplerOutput(sample_greedy_or_gumbel(logits, metadata))
         return self._sample_full(logits, metadata)
 

@@ -163,7 +163,7 @@ def test_a_fault_that_no_request_causes_still_raises(llm, monkeypatch):
         raise RuntimeError("simulated device failure")
 
     engine = llm.llm_engine
-    monkeypatch.setattr(engine.engine_core.executor.runner, "_forward", broken_model)
+    monkeypatch.setattr(engine.engine_core.executor.runner, "_run_model", broken_model)
     with pytest.raises(RuntimeError, match="simulated device failure"):
         llm.generate([_prompt(5)], _greedy(), use_tqdm=False)
     monkeypatch.undo()

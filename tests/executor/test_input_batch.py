@@ -106,6 +106,10 @@ def test_sampling_arrays_follow_the_slots():
     assert metadata.temperature.tolist() == [0.0, 0.699999988079071, 1.0]
     assert metadata.greedy.tolist() == [True, False, False]
     assert metadata.seeds.tolist() == [100, 101, 102] and metadata.offsets.tolist() == [0, 1, 2]
+    # The decode graphs that sample read these three from the batch's fixed buffers.
+    for name in ("temperature", "seeds", "offsets"):
+        assert getattr(metadata, name).data_ptr() == getattr(batch.step_sampling, name).data_ptr()
+    assert not metadata.temperature_only  # top_k and logprobs
     assert metadata.top_k.tolist() == [0, 0, 5] and metadata.top_p is None and metadata.min_p is None
     assert metadata.banned == [(2, [7])]  # 2 tokens generated, min_tokens 3
     assert metadata.num_logprobs.tolist() == [-1, -1, 2] and metadata.penalties is None
