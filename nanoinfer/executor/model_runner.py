@@ -406,11 +406,11 @@ class ModelRunner:
         batch = self.input_batch
         num_tokens = len(step.input_ids)
         # Every token samples (a pure-decode step): the logits rows are the hidden rows, in order.
-        decode_only = len(step.logits_index) == num_tokens
+        every_token_samples = len(step.logits_index) == num_tokens
         metadata = None
         if len(step.logits_index):
-            b = self.buffers
-            last_inputs = b.input_ids[:num_tokens] if decode_only else b.input_ids[staged["logits_index"]]
+            input_ids = self.buffers.input_ids
+            last_inputs = input_ids[:num_tokens] if every_token_samples else input_ids[staged["logits_index"]]
             metadata = batch.sampling_metadata(
                 out, plan, last_inputs, staged["sample_slots"], staged["sample_offsets"]
             )
@@ -436,7 +436,7 @@ class ModelRunner:
             )
         if metadata is None:
             return handle
-        logits = self._compute_logits(hidden if decode_only else hidden[staged["logits_index"]])
+        logits = self._compute_logits(hidden if every_token_samples else hidden[staged["logits_index"]])
         if defer_sampling:
             handle.deferred = (logits, metadata)
         else:
