@@ -884,9 +884,9 @@ def time_decode(gen, quick):
             out = torch.empty_like(query)
             args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
             entry = {}
+            width = paged.block_tables.shape[1] * block_size
             # "default": the configuration the engine gets for this batch and cache dtype.
             for name, config in {"default": None, **configs}.items():
-                width = paged.block_tables.shape[1] * block_size
                 workspace = K.attn.DecodeWorkspace.allocate(
                     batch, HEADS, KV_HEADS, HEAD_DIM, width, DEVICE, config, cache_dtype=paged.k_cache.dtype
                 )

@@ -1,12 +1,12 @@
 """Small-batch projection (GEMV-like GEMM) for decode: ``out = x @ weight.T (+ bias)`` for 1-16 rows.
 
-At small batches a projection reads its whole weight for a few rows of output, so it is bound by the
+At batch 1-16 a projection reads its whole weight for a few rows of output, so it is bound by the
 weight read. One program = one block of ``block_n`` output columns (weight rows, contiguous along K,
 so the loads are coalesced) over a range of K; with ``split_k`` > 1 the K ranges of one column block
 run in separate programs, each writing a float32 partial, and the last of them to finish (an atomic
 counter) sums the partials in split order (deterministic) and writes the output. The product is
 either a broadcast multiply-and-sum on the CUDA cores (``use_dot=False``, for 1-4 rows) or a tensor-core
-``tl.dot`` with all rows in one tile of 16. With ``gated`` the input is a gated MLP's [gate | up] and the
+``tl.dot`` with the rows padded to 16. With ``gated`` the input is a gated MLP's [gate | up] and the
 product is over silu(gate) * up, computed as the tiles load (the MLP's down projection without a
 separate activation kernel).
 
@@ -26,7 +26,8 @@ import triton.language as tl
 from nanoinfer.kernels.triton_elementwise import launch_options
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Above 16 rows cuBLAS was as fast or faster on every projection (docs/benchmarks.md, run 31).
+# Above 16 rows cuBLAS was as fast or faster on every projection, but for the MLP's down projection at
+# 32-64 rows, where this kernel won by 1 us (docs/benchmarks.md, run 31).
 MAX_ROWS = 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MIN_COUNTERS = 1 << 14
@@ -230,10 +231,9 @@ def gemv(
     pdl: bool = False,
     gated: bool = False,
 ) -> torch.Tensor:
-    """``x`` [M, K] (unit last stride; 1 <= M <= 16) @
-    ``weight`` [N, K].T (row-major, as nn.Linear stores it) + ``bias`` [N]: a new [M, N] tensor of
-    ``x``'s dtype (or ``out``), float32 accumulation. ``gated``: ``x`` is [M, 2K] = [gate | up] and the
-    product is silu(gate) * up @ ``weight``.T."""
+    """``x`` [M, K] (1 <= M <= 16, unit last stride) @ ``weight`` [N, K].T (row-major, as nn.Linear
+    stores it) + ``bias`` [N]: a new [M, N] tensor of ``x``'s dtype (or ``out``), float32 accumulation.
+    ``gated``: ``x`` is [M, 2K] = [gate | up] and the product is silu(gate) * up @ ``weight``.T."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gated else 1):
         expected = "[M, 2K] ([gate | up])" if gated else "[M, K]"
         raise ValueError(
@@ -241,7 +241,6 @@ def gemv(
         )
     m = x.shape[0]
     n, k = weight.shape
-    config = config or gemv_config(m, n, k)
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows of x, got {m}")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
@@ -254,6 +253,7 @@ def gemv(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be ({m}, {n}) {x.dtype} with stride(1) == 1")
+    config = config or gemv_config(m, n, k)
     column_blocks = triton.cdiv(n, config.block_n)
     if config.split_k > 1:
         partial = torch.empty(config.split_k * m * n, dtype=torch.float32, device=x.device)
