@@ -83,19 +83,40 @@ def _model(args: argparse.Namespace, scratch: str) -> str:
 
 def _phase_targets(llm: LLM) -> list:
     """``--profile``: the host phases of the engine's loop, as ``timed_calls`` targets."""
+    import nanoinfer.structured.triton_bitmask as triton_bitmask
+    from nanoinfer.engine.structured_outputs import GrammarBitmask, PendingBitmask
     from nanoinfer.executor.model_runner import StepHandle
 
     engine = llm.llm_engine
     core = engine.engine_core
-    return [
+    runner = getattr(core.executor, "runner", None)
+    # Inside "launch forward" and "launch deferred sampling" (single-process executors only).
+    parts = (
+        [
+            (runner, "_load_inputs", "  inputs to the device"),
+            (runner.input_batch, "sampling_metadata", "  sampling metadata"),
+            (runner, "_run_model", "  forward (graph replay or eager)"),
+            (runner, "_compute_logits", "  logits (eager)"),
+            (GrammarBitmask, "upload", "  bitmask upload"),
+            (triton_bitmask, "apply_token_bitmask", "  bitmask kernel"),
+            (runner.sampler, "sample_isolating_faults", "  sampler"),
+            (runner.pinned_outputs, "to_host", "  tokens to host"),
+        ]
+        if runner is not None
+        else []
+    )
+    return parts + [
         (engine, "step", "engine step (all)"),
         (core, "step", "core step"),
         (core.scheduler, "schedule", "schedule"),
         (core.executor, "prepare", "prepare inputs"),
         (core.executor, "launch", "launch forward"),
         (core.executor, "sample", "launch deferred sampling"),
-        (core.structured_outputs, "bitmask", "fill bitmask"),
-        (core.scheduler, "update_from_output", "update (grammars advance)"),
+        (core.structured_outputs, "bitmask", "fill bitmask (engine thread)"),
+        (core.scheduler, "advance_grammars", "advance grammars (before launch)"),
+        (core.structured_outputs, "start_bitmask", "start fill (worker)"),
+        (PendingBitmask, "result", "wait for the worker's fill"),
+        (core.scheduler, "update_from_output", "update"),
         (StepHandle, "result", "wait for tokens"),
     ]
 
@@ -124,6 +145,7 @@ def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     mask_steps = after["structured_mask_steps"] - before["structured_mask_steps"]
     mask_us = after["structured_mask_us"] - before["structured_mask_us"]
+    wait_us = after["structured_mask_wait_us"] - before["structured_mask_wait_us"]
     valid = 0
     for output in outputs:
         try:
@@ -141,6 +163,8 @@ def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple
         "valid_json": valid,
         "mask_steps": mask_steps,
         "mask_us_per_step": round(mask_us / mask_steps, 1) if mask_steps else None,
+        # The engine thread's wait for fills that ran on the worker, beside its own work.
+        "mask_wait_us_per_step": round(wait_us / mask_steps, 1) if mask_steps else None,
         **({"host_phase_us_per_step": phase_us} if phase_us is not None else {}),
     }, [len(o.outputs[0].token_ids) for o in outputs]
 

@@ -6,8 +6,9 @@ schedules and launches step n+1, then waits for step n and turns its result into
 host's work for one step overlaps the device's for the other. Step n+1's input for a decoding request is
 step n's sampled token, which stays on the device. A request that step n finished has a row in step
 n+1 that is wasted: its token is dropped. A step with structured-outputs rows is launched with its
-sampling deferred; the next call schedules and prepares step n+2, then fills the bitmask and launches
-step n+1's sampling and step n+2's forward pass back to back (see engine/structured_outputs.py).
+sampling deferred, after step n's tokens have advanced the grammars and step n+1's bitmask has started
+filling on a worker thread; the next call schedules and prepares step n+2, then takes the bitmask and
+launches step n+1's sampling (see engine/structured_outputs.py).
 """
 
 from __future__ import annotations
@@ -15,17 +16,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.kv_cache_manager import KVCacheManager
 from nanoinfer.engine.request import EngineRequest
-from nanoinfer.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
-from nanoinfer.engine.structured_outputs import StructuredOutputManager
+from nanoinfer.engine.scheduler import EngineCoreOutput, RunnerOutput, Scheduler, SchedulerOutput
+from nanoinfer.engine.structured_outputs import GrammarBitmask, PendingBitmask, StructuredOutputManager
 from nanoinfer.executor.model_runner import StepHandle
 from nanoinfer.models.checkpoint import load_tokenizer
+
+if TYPE_CHECKING:
+    from nanoinfer.structured.backend import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,8 @@ class EngineCore:
             lambda: tokenizer if tokenizer is not None else load_tokenizer(config.model, config.tokenizer),
         )
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        # The bitmask of the in-flight step's constrained rows, filling on the manager's worker.
+        self._pending_bitmask: tuple[SchedulerOutput, PendingBitmask] | None = None
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         logger.info(
@@ -96,26 +102,39 @@ class EngineCore:
         the next step, then return the outputs of the one launched by the previous call."""
         out = self.scheduler.schedule()
         prepared = self.executor.prepare(out) if not out.is_empty else None
+        constrained = prepared is not None and bool(out.structured_rows)
         if not self.async_scheduling:
             if prepared is None:
                 return EngineCoreOutputs()
-            handle = self.executor.launch(out, prepared, defer_sampling=bool(out.structured_rows))
-            if out.structured_rows:
+            handle = self.executor.launch(out, prepared, defer_sampling=constrained)
+            if constrained:
                 self._sample_structured(out, handle)
             return self._finish_step(out, handle)
         previous, self._in_flight = self._in_flight, None
+        previous_result = None
         if previous is not None and previous[1].deferred is not None:
             # The previous step's sampling waited for its bitmask; its tokens are this step's inputs.
             self._sample_structured(*previous)
+            if constrained:
+                # They also advance the grammars that this step's bitmask is made from: taken now, they
+                # let the bitmask fill on the worker while this step's forward pass is launched and the
+                # previous step's outputs are made, instead of after them.
+                previous_result = previous[1].result()
+                self.scheduler.advance_grammars(previous[0], previous_result)
         handle = None
         if prepared is not None:
-            handle = self.executor.launch(out, prepared, defer_sampling=bool(out.structured_rows))
+            if constrained:
+                grammars = self._grammars(out)
+                if grammars:
+                    self._pending_bitmask = (out, self.structured_outputs.start_bitmask(grammars))
+            handle = self.executor.launch(out, prepared, defer_sampling=constrained)
             self._in_flight = (out, handle)
-        # The previous step's tokens advance the grammars that this step's bitmask is made from.
-        return self._finish_step(*previous) if previous is not None else EngineCoreOutputs()
+        if previous is None:
+            return EngineCoreOutputs()
+        return self._finish_step(*previous, previous_result)
 
-    def _sample_structured(self, out: SchedulerOutput, handle: StepHandle) -> None:
-        """Fills the bitmask of a step whose constrained rows waited for it and launches its sampling."""
+    def _grammars(self, out: SchedulerOutput) -> list[tuple[int, Grammar]]:
+        """The (row, grammar) pairs of a step's constrained rows whose requests are still running."""
         requests = self.scheduler.requests
         grammars = []
         for row in out.structured_rows:
@@ -123,10 +142,27 @@ class EngineCore:
             request = requests.get(out.scheduled[row].request_id)
             if request is not None:
                 grammars.append((row, request.grammar))
-        self.executor.sample(handle, self.structured_outputs.bitmask(grammars) if grammars else None)
+        return grammars
 
-    def _finish_step(self, out: SchedulerOutput, handle: StepHandle) -> EngineCoreOutputs:
-        result = handle.result()
+    def _sample_structured(self, out: SchedulerOutput, handle: StepHandle) -> None:
+        """Takes the bitmask of a step whose constrained rows waited for it (filled on the worker since
+        the previous call, or now) and launches its sampling. A request aborted since its fill started
+        keeps its row's mask; its token is dropped."""
+        pending, self._pending_bitmask = self._pending_bitmask, None
+        bitmask: GrammarBitmask | None
+        if pending is not None and pending[0] is out:
+            bitmask = pending[1].result()
+        else:
+            grammars = self._grammars(out)
+            bitmask = self.structured_outputs.bitmask(grammars) if grammars else None
+        self.executor.sample(handle, bitmask)
+
+    def _finish_step(
+        self, out: SchedulerOutput, handle: StepHandle, result: RunnerOutput | None = None
+    ) -> EngineCoreOutputs:
+        """The outputs of a launched step (``result``: its tokens, when already taken)."""
+        if result is None:
+            result = handle.result()
         outputs = self.scheduler.update_from_output(out, result)
         num_sampled = sum(1 for t in result.token_ids if t >= 0)
         num_prompt = sum(r.num_tokens for r in out.scheduled if not r.samples or r.num_tokens > 1)
@@ -140,11 +176,14 @@ class EngineCore:
         stats["num_generated_tokens"] = self.num_generated_tokens
         stats["structured_mask_steps"] = self.structured_outputs.num_mask_steps
         stats["structured_mask_us"] = round(self.structured_outputs.mask_seconds * 1e6)
+        stats["structured_mask_wait_us"] = round(self.structured_outputs.mask_wait_seconds * 1e6)
         return stats
 
     def close(self) -> None:
         """Stops the executor (and its tensor-parallel workers); the core is unusable afterwards."""
         self._in_flight = None
+        self._pending_bitmask = None
+        self.structured_outputs.close()
         if self.executor is not None:
             self.executor.close()
             self.executor = None

@@ -68,6 +68,16 @@ class ScheduledRequest:
     prompt_logprob_start: int = 0
 
 
+@dataclass(slots=True)
+class GrammarResult:
+    """A constrained row's sampled token fed to its grammar: ``error`` says why it was not accepted;
+    ``blocks_eos``: the grammar now allows only EOS, which the request cannot sample (see
+    ``Scheduler._grammar_blocks_eos``)."""
+
+    error: str | None = None
+    blocks_eos: bool = False
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -78,6 +88,9 @@ class SchedulerOutput:
     # Rows (indices into ``scheduled``) that sample under a structured-outputs constraint: their
     # sampling waits for a grammar bitmask (see engine/structured_outputs.py).
     structured_rows: list[int] = field(default_factory=list)
+    # Set by Scheduler.advance_grammars: what feeding each constrained row's sampled token to its
+    # grammar gave, ahead of update_from_output.
+    grammar_results: dict[int, GrammarResult] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -306,12 +319,14 @@ class Scheduler:
         full blocks to the prefix cache. Returns the step's outputs; rows of requests that finished or
         were aborted meanwhile are dropped (with async scheduling, their extra token)."""
         outputs: list[EngineCoreOutput] = []
+        grammar_results = out.grammar_results
         for row_index, row in enumerate(out.scheduled):
             request = self.requests.get(row.request_id)
             if request is None:
                 continue
             try:
-                output = self._apply_row(request, row, row_index, result)
+                grammar_result = grammar_results.get(row_index) if grammar_results is not None else None
+                output = self._apply_row(request, row, row_index, result, grammar_result)
             except Exception as e:  # this request's own fault: it fails alone
                 logger.exception("request %s failed", row.request_id)
                 output = self._fail(request, f"{type(e).__name__}: {e}")
@@ -319,8 +334,42 @@ class Scheduler:
                 outputs.append(output)
         return outputs
 
+    def advance_grammars(self, out: SchedulerOutput, result: RunnerOutput) -> None:
+        """Feeds the sampled tokens of a finished step's constrained rows to their grammars, ahead of
+        :meth:`update_from_output` (which then reads ``out.grammar_results`` instead of asking the
+        grammars): the next step's bitmask, made from the advanced grammars, can then start filling on
+        another thread while this step's outputs are made, without either thread asking the grammars
+        anything the other changes."""
+        grammar_results: dict[int, GrammarResult] = {}
+        for row_index in out.structured_rows:
+            request = self.requests.get(out.scheduled[row_index].request_id)
+            if request is None or row_index in result.failed_rows:
+                continue
+            grammar_results[row_index] = self._feed_grammar(request, result.token_ids[row_index])
+        out.grammar_results = grammar_results
+
+    def _feed_grammar(self, request: Request, token_id: int) -> GrammarResult:
+        """``token_id``, not yet appended to the request, fed to its grammar. A failure of the grammar
+        library fails this request alone."""
+        grammar = request.grammar
+        try:
+            if not grammar.accept_token(token_id):
+                return GrammarResult(
+                    grammar.error or f"sampled token {token_id} is not allowed by structured_outputs"
+                )
+            num_output = request.num_tokens + 1 - request.num_prompt_tokens
+            return GrammarResult(blocks_eos=self._grammar_blocks_eos(request, num_output))
+        except Exception as e:
+            logger.exception("request %s: its grammar failed", request.request_id)
+            return GrammarResult(f"{type(e).__name__}: {e}")
+
     def _apply_row(
-        self, request: Request, row: ScheduledRequest, row_index: int, result: RunnerOutput
+        self,
+        request: Request,
+        row: ScheduledRequest,
+        row_index: int,
+        result: RunnerOutput,
+        grammar_result: GrammarResult | None = None,
     ) -> EngineCoreOutput | None:
         output = None
         prompt_chunk = result.prompt_logprobs.get(row_index)
@@ -337,11 +386,10 @@ class Scheduler:
         if error is not None:
             return self._fail(request, error)
         token_id = result.token_ids[row_index]
-        grammar = request.grammar
-        if grammar is not None and not grammar.accept_token(token_id):
-            return self._fail(
-                request, grammar.error or f"sampled token {token_id} is not allowed by structured_outputs"
-            )
+        if request.grammar is not None and grammar_result is None:
+            grammar_result = self._feed_grammar(request, token_id)
+        if grammar_result is not None and grammar_result.error is not None:
+            return self._fail(request, grammar_result.error)
         request.append_token(token_id)
         if output is None:
             output = EngineCoreOutput(request.request_id, [token_id])
@@ -355,7 +403,7 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
         reason = self._stop_reason(request, token_id)
         output.stopped_by_token = reason == "stop"
-        if reason is None and grammar is not None and self._grammar_blocks_eos(request):
+        if reason is None and grammar_result is not None and grammar_result.blocks_eos:
             reason = "stop"
         if reason is not None:
             output.finish_reason = reason
@@ -380,10 +428,10 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _grammar_blocks_eos(request: Request) -> bool:
-        """The constraint is complete and allows only EOS next, which the request cannot sample (it
-        ignores EOS, or min_tokens still bans it): it ends here instead."""
-        num_output = request.num_tokens - request.num_prompt_tokens
+    def _grammar_blocks_eos(request: Request, num_output: int) -> bool:
+        """The constraint is complete and allows only EOS next, which the request (with ``num_output``
+        output tokens) cannot sample (it ignores EOS, or min_tokens still bans it): it ends here
+        instead."""
         blocked = not request.eos_token_ids or num_output < request.params.min_tokens
         return blocked and request.grammar.is_terminated()
 

@@ -1,21 +1,29 @@
 """The engine core's side of structured outputs: a grammar matcher per constrained request, and each
 step's token bitmask of its constrained rows.
 
-The bitmask of step n+1 depends on the token step n samples. The core therefore launches step n+1's
-forward pass with its sampling deferred and waits for step n's tokens, which advance the matchers. With
-async scheduling it then returns step n's outputs, and in its next step schedules and prepares step n+2
-before it fills step n+1's bitmask, launches step n+1's sampling with it (``Executor.sample``) and, right
-behind it, step n+2's forward pass: the device runs step n+1's forward pass meanwhile. The fill runs on
-the engine's thread (on the grammar libraries' threads while it waits): on a thread of its own it would
-wait for the GIL, which a busy engine thread hands over only every few milliseconds
-(benchmarks/structured_backends.py --fill-threads). Without async scheduling the same order holds within
-one step.
+The bitmask of step n+1 depends on the token step n samples, so step n+1's forward pass is launched
+with its sampling deferred. With async scheduling one call of the core (``EngineCore.step``) schedules
+and prepares step n+1, takes step n's bitmask and launches step n's sampling, waits for step n's
+tokens and feeds them to the grammars (``Scheduler.advance_grammars``), starts filling step n+1's
+bitmask, launches step n+1's forward pass and makes step n's outputs. On CUDA the fill runs on a
+worker thread (:meth:`StructuredOutputManager.start_bitmask`) beside that launch, those outputs (and,
+in-process, the frontend's processing of them) and the next call's schedule and prepare, until the
+next call takes it for step n+1's sampling; the engine thread asks the grammars nothing meanwhile.
+
+The grammar libraries fill without the GIL; the worker needs it only to start and to finish, and a
+busy engine thread hands it over once per switch interval (5 ms by default, longer than a step:
+benchmarks/structured_backends.py --fill-threads measured a 0.6 ms fill taking 11 ms beside a busy
+thread, 1.0 ms at a 0.1 ms interval), so the interval is lowered while a fill is in flight. Without
+async scheduling the fill runs on the engine's thread, between the forward pass's launch and the
+sampling's.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +36,10 @@ from nanoinfer.structured.params import StructuredOutputsParams
 if TYPE_CHECKING:
     # The grammar libraries are imported by the first constrained request only.
     from nanoinfer.structured.backend import Grammar, GrammarCompiler
+
+# The GIL switch interval while a fill runs on the worker: the worker waits at most this long for the
+# GIL at its start and end (see the module docstring).
+FILL_SWITCH_INTERVAL_S = 1e-4
 
 
 @dataclass
@@ -62,9 +74,18 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self._buffer: torch.Tensor | None = None
         self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
-        # For the structured-outputs benchmark: time spent filling bitmasks.
+        # The worker pays where the forward pass leaves the host's cores free (CUDA); on the CPU the
+        # fill would compete with the forward pass for them, and a 16-row fill takes well under 0.1 ms
+        # (benchmarks/structured_outputs.py --device cpu: ratio 0.75-0.77 with it, 0.78-0.85 without).
+        self.fill_on_worker = config.device == "cuda"
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: PendingBitmask | None = None
+        self._switch_interval = sys.getswitchinterval()  # restored when the pending fill is taken
+        # For the structured-outputs benchmark: time spent filling bitmasks, and waiting for a fill that
+        # ran on the worker.
         self.num_mask_steps = 0
         self.mask_seconds = 0.0
+        self.mask_wait_seconds = 0.0
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -83,13 +104,50 @@ class StructuredOutputManager:
         return self.compiler.compile(params)
 
     def bitmask(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
-        """The bitmask of (scheduled row, matcher) pairs, filled on the grammar libraries' threads."""
-        started = time.perf_counter()
+        """The bitmask of (scheduled row, matcher) pairs, filled now on the grammar libraries' threads."""
+        self.finish_pending()
+        return self._fill(self._take_buffer(grammars), grammars)
+
+    def start_bitmask(self, grammars: list[tuple[int, Grammar]]) -> PendingBitmask:
+        """Starts filling the bitmask of (scheduled row, matcher) pairs on the worker thread and returns
+        at once (with ``fill_on_worker`` off: fills it first). Until :meth:`PendingBitmask.result`, the
+        caller must not ask these matchers anything."""
+        self.finish_pending()
         result = self._take_buffer(grammars)
+        if not self.fill_on_worker:
+            done: Future[GrammarBitmask] = Future()
+            done.set_result(self._fill(result, grammars))
+            return PendingBitmask(self, done)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoinfer-bitmask")
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, FILL_SWITCH_INTERVAL_S))
+        self._pending = PendingBitmask(self, self._worker.submit(self._fill, result, grammars))
+        return self._pending
+
+    def finish_pending(self) -> None:
+        """Waits for the fill in flight, if any (its buffer is about to be reused, or the engine stops)."""
+        if self._pending is not None:
+            self._pending.result()
+
+    def _finished(self, pending: PendingBitmask, waited_s: float) -> None:
+        if pending is self._pending:
+            self._pending = None
+            sys.setswitchinterval(self._switch_interval)
+            self.mask_wait_seconds += waited_s
+
+    def _fill(self, result: GrammarBitmask, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
+        started = time.perf_counter()
         self.compiler.fill_bitmasks([(grammar, i) for i, (_, grammar) in enumerate(grammars)], result.bitmask)
         self.num_mask_steps += 1
         self.mask_seconds += time.perf_counter() - started
         return result
+
+    def close(self) -> None:
+        self.finish_pending()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
 
     def _take_buffer(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
         """The next bitmask, in the one buffer. Its previous bitmask's copy to the GPU came before the
@@ -108,3 +166,19 @@ class StructuredOutputManager:
             )
         self._last = GrammarBitmask([row for row, _ in grammars], self._buffer[:num_rows])
         return self._last
+
+
+class PendingBitmask:
+    """A bitmask being filled on the manager's worker thread (``StructuredOutputManager.start_bitmask``)."""
+
+    def __init__(self, manager: StructuredOutputManager, future: Future[GrammarBitmask]):
+        self._manager = manager
+        self._future = future
+
+    def result(self) -> GrammarBitmask:
+        """The filled bitmask, after waiting for the worker; re-raises what the fill raised."""
+        started = time.perf_counter()
+        try:
+            return self._future.result()
+        finally:
+            self._manager._finished(self, time.perf_counter() - started)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 
@@ -269,3 +271,80 @@ def test_async_scheduling_samples_a_constrained_step_after_preparing_the_next_an
     # Each step's sampling waited for the next step's preparation (0 would be the order of a sync step;
     # the last step has no next one).
     assert sampled_after.count(1) >= 20 and set(sampled_after) <= {0, 1}, sampled_after
+
+
+def test_async_bitmask_fills_on_a_worker_while_its_step_launches_and_no_grammar_is_asked_meanwhile(
+    tiny_qwen3, monkeypatch
+):
+    """With async scheduling a constrained step's bitmask starts filling on the structured-outputs
+    worker before the step is launched (the previous step's tokens have already advanced the grammars)
+    and is taken when the step samples; while it fills, the engine thread asks no grammar anything
+    (the fill is slowed down here, so that a question in that window would be caught). The outputs stay
+    valid and the seeded tokens are those of a run without async scheduling."""
+    from nanoinfer.structured.backend import LLGuidanceGrammar
+    from nanoinfer.structured.xgrammar_backend import XGrammarGrammar
+
+    kinds = ["json", "regex", "grammar", "json"]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=CHECKS[kind][0])
+        for i, kind in enumerate(kinds)
+    ] + [SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    sync = LLM(tiny_qwen3, device="cpu", async_scheduling=False, max_num_seqs=8)
+    try:
+        expected = [o.outputs[0].token_ids for o in sync.generate(prompts, params, use_tqdm=False)]
+    finally:
+        sync.close()
+
+    engine_thread = threading.get_ident()
+    filling = threading.Event()
+    fill_threads: set[int] = set()
+    asked_while_filling: list[str] = []
+    for cls in (LLGuidanceGrammar, XGrammarGrammar):
+        for name in ("accept_token", "fill_bitmask", "is_terminated", "is_accepting"):
+            original = getattr(cls, name)
+
+            def guarded(self, *args, _original=original, _name=name):
+                if filling.is_set() and threading.get_ident() == engine_thread:
+                    asked_while_filling.append(_name)
+                return _original(self, *args)
+
+            monkeypatch.setattr(cls, name, guarded)
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, max_num_seqs=8)
+    try:
+        core = llm.llm_engine.engine_core
+        core.structured_outputs.fill_on_worker = True  # the CUDA default
+        compiler = core.structured_outputs.compiler
+        fill = compiler.fill_bitmasks
+
+        def slow_fill(grammars, bitmask):
+            fill_threads.add(threading.get_ident())
+            filling.set()
+            try:
+                time.sleep(0.002)
+                fill(grammars, bitmask)
+            finally:
+                filling.clear()
+
+        compiler.fill_bitmasks = slow_fill
+        launched_filling: list[bool] = []
+        launch = core.executor.launch
+
+        def logged_launch(out, prepared, defer_sampling=False):
+            if defer_sampling:
+                pending = core._pending_bitmask
+                launched_filling.append(pending is not None and pending[0] is out)
+            return launch(out, prepared, defer_sampling)
+
+        core.executor.launch = logged_launch
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        for output, kind in zip(outputs, kinds, strict=False):
+            if output.outputs[0].finish_reason == "stop":
+                CHECKS[kind][1](output.outputs[0].text)
+        assert len(launched_filling) >= 20 and all(launched_filling), launched_filling
+        assert fill_threads and engine_thread not in fill_threads
+        assert asked_while_filling == []
+        _no_leak(llm)
+    finally:
+        llm.close()
