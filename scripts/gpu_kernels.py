@@ -167,6 +167,14 @@ def cos_sin_table(max_position: int, head_dim: int, theta: float = 1e6) -> torch
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
 
 
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    view = torch.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype=cache.dtype, device=DEVICE)
+    view = view.transpose(1, 2)
+    view.copy_(cache)
+    return view
+
+
 class Paged:
     """Random K/V scattered into a shuffled block pool, and the block tables pointing at it. With
     ``fp8_scales`` the pool is e4m3, quantized by the reference."""
@@ -188,9 +196,11 @@ class Paged:
         self.v_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
         self.k_scale = self.v_scale = None
         if fp8_scales is not None:
+            # Stored as the engine stores an FP8 pool: each kv head's slots of a block together, seen
+            # through [num_blocks, block_size, num_kv_heads, head_dim] views.
             self.k_scale, self.v_scale = fp8_scales
-            self.k_cache = K.aref.quantize_fp8_ref(self.k_cache, self.k_scale)
-            self.v_cache = K.aref.quantize_fp8_ref(self.v_cache, self.v_scale)
+            self.k_cache = _head_major(K.aref.quantize_fp8_ref(self.k_cache, self.k_scale))
+            self.v_cache = _head_major(K.aref.quantize_fp8_ref(self.v_cache, self.v_scale))
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         self.kv_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * self.k_cache.element_size()
 

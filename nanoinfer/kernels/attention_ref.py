@@ -60,9 +60,11 @@ def store_kvcache_ref(
     check_kv_scales(k_cache.dtype, k_scale, v_scale)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = _to_cache_dtype(key[valid], k_cache, k_scale)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = _to_cache_dtype(value[valid], v_cache, v_scale)
+    # (block, offset) indexing rather than a flat view: the caches may be strided views (see
+    # ModelRunner._allocate_kv_cache).
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[blocks, offsets] = _to_cache_dtype(key[valid], k_cache, k_scale)
+    v_cache[blocks, offsets] = _to_cache_dtype(value[valid], v_cache, v_scale)
 
 
 def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

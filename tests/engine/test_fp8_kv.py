@@ -58,7 +58,13 @@ def test_fp8_pool_holds_more_blocks_and_generations_stay_close(tiny_qwen3):
         reference_blocks = reference.engine_stats()["num_kv_blocks_total"]
     with LLM(tiny_qwen3, cpu_kvcache_space_bytes=SPACE, dtype="bfloat16", kv_cache_dtype="fp8") as llm:
         assert llm.engine_stats()["num_kv_blocks_total"] >= 1.9 * reference_blocks
-        assert llm.llm_engine.engine_core.executor.runner.kv_cache.dtype == torch.float8_e4m3fn
+        runner = llm.llm_engine.engine_core.executor.runner
+        assert runner.kv_cache.dtype == torch.float8_e4m3fn
+        # Each kv head's slots of a block are stored together (ModelRunner._allocate_kv_cache).
+        k_cache = runner.attention_layers[0].k_cache
+        assert (
+            k_cache.stride(2) == k_cache.shape[1] * k_cache.shape[3] and k_cache.stride(1) == k_cache.shape[3]
+        )
         got = llm.generate(prompts, params, use_tqdm=False)
         assert _all_free(llm)
         scales = _stored_scales(llm)

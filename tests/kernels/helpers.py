@@ -111,6 +111,18 @@ def random_cache(gen, num_blocks, block_size, num_kv_heads, head_dim, dtype, fp8
     return quantize_fp8_ref(k_cache * 3, k_scale), quantize_fp8_ref(v_cache * 3, v_scale)
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a [num_blocks, block_size, num_kv_heads, head_dim] cache stored as the engine stores an
+    FP8 pool: [num_blocks, num_kv_heads, block_size, head_dim], seen through the same-shaped view."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    storage = torch.empty(
+        num_blocks, num_kv_heads, block_size, head_dim, dtype=cache.dtype, device=cache.device
+    )
+    view = storage.transpose(1, 2)
+    view.copy_(cache)
+    return view
+
+
 def fp8_scales(k: float, v: float) -> tuple[torch.Tensor, torch.Tensor]:
     return (
         torch.tensor([k], dtype=torch.float32, device=DEVICE),

@@ -12,6 +12,7 @@ from tests.kernels.helpers import (
     fp8_store,
     generator,
     gpu_only,
+    head_major,
     randn,
     random_cache,
     random_tables,
@@ -288,6 +289,52 @@ def test_fp8_cache_with_bf16_queries_matches_reference():
     )
     ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, 0.125, *scales)
     assert rel_error(out, ref) < _attention_tolerance(torch.bfloat16)
+
+
+@fp8_store
+def test_fp8_kernels_on_a_head_major_cache_match_the_token_major_one():
+    """The engine's FP8 pool keeps each kv head's slots of a block together and hands the kernels
+    [num_blocks, block_size, num_kv_heads, head_dim] views of it (ModelRunner._allocate_kv_cache): the
+    store, decode and prefill kernels write and read such a view exactly as a contiguous cache."""
+    kernels = _kernels()
+    gen = generator(23)
+    seq_lens, q_lens, num_heads, num_kv_heads, head_dim = [37, 130, 1], [5, 64, 1], 4, 2, 64
+    tables, num_blocks = random_tables(gen, seq_lens, 16)
+    scales = fp8_scales(0.5, 0.25)
+    k_cache, v_cache = random_cache(gen, num_blocks, 16, num_kv_heads, head_dim, DTYPE, scales)
+    k_view, v_view = head_major(k_cache), head_major(v_cache)
+    assert k_view.stride(2) == 16 * head_dim and k_view.stride(1) == head_dim
+    _, key, value = _qkv_views(gen, 20, num_heads, num_kv_heads, head_dim, DTYPE)
+    slots = torch.randperm(num_blocks * 16, generator=gen, device=DEVICE)[:20]
+    slots[::4] = -1
+    kernels.store_kvcache(key, value, k_cache, v_cache, slots, *scales)
+    kernels.store_kvcache(key, value, k_view, v_view, slots, *scales)
+    expected_k, expected_v = head_major(k_cache), head_major(v_cache)
+    store_kvcache_ref(key, value, expected_k, expected_v, slots, *scales)
+    for cache, view, expected in ((k_cache, k_view, expected_k), (v_cache, v_view, expected_v)):
+        assert torch.equal(view.view(torch.uint8), cache.view(torch.uint8))
+        assert torch.equal(expected.view(torch.uint8), cache.view(torch.uint8))
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    query = randn(gen, len(seq_lens), num_heads, head_dim, dtype=DTYPE)
+    for config in (None, kernels.MERGE_KERNEL_DECODE):
+        outs = [
+            kernels.paged_decode_attention(
+                query, k, v, tables, lens, 0.125, k_scale=scales[0], v_scale=scales[1], config=config
+            )
+            for k, v in ((k_cache, v_cache), (k_view, v_view))
+        ]
+        assert torch.equal(outs[0], outs[1])
+    query = randn(gen, sum(q_lens), num_heads, head_dim, dtype=DTYPE)
+    qsl = torch.tensor([0, 5, 69, 70], dtype=torch.int32, device=DEVICE)
+    outs = [
+        kernels.paged_prefill_attention(
+            query, k, v, qsl, lens, tables, max(q_lens), 0.125, k_scale=scales[0], v_scale=scales[1]
+        )
+        for k, v in ((k_cache, v_cache), (k_view, v_view))
+    ]
+    assert torch.equal(outs[0], outs[1])
+    ref = paged_attention_ref(query, k_view, v_view, qsl, lens, tables, 0.125, *scales)
+    assert rel_error(outs[1], ref) < _attention_tolerance(DTYPE)
 
 
 def test_input_validation_names_the_field():
