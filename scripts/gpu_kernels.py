@@ -9,7 +9,8 @@
    sampler against softmax + exponential + argmax at batch 1 and 256 x 151,936; GEMV configurations
    against cuBLAS for each Qwen3-0.6B projection at M = 1, 2, 4, 8, 16 (weight-read TB/s); decode
    variants at batch x context 1x600, 8x600, 64x1024, 256x1024 (bf16 and FP8 KV, KV TB/s); prefill
-   configurations on a 16,384-token batch of 29 sequences (eager: milliseconds per call); a 28-layer
+   configurations on a 16,384-token batch of 29 sequences (eager: milliseconds per call); decode and
+   prefill on token-major and head-major caches (the engine's FP8 pool is head-major); a 28-layer
    mock decode step at batch 1 and 16 built from these kernels, with and without programmatic
    dependent launch, and with cuBLAS projections.
 Writes $OUT/gpu_kernels.json (default: the current directory) and prints a table last. A failing
@@ -961,6 +962,61 @@ def time_decode(gen, quick):
     RESULTS["timing"]["decode"] = res
 
 
+def _token_major(cache: torch.Tensor) -> torch.Tensor:
+    return cache.contiguous()
+
+
+def time_layouts(gen, quick):
+    """Decode (every DECODE_SHAPES shape) and prefill (the prefill batch) with the default configurations
+    on a token-major cache ([block, slot, head, dim] storage) and a head-major one ([block, head, slot,
+    dim], the engine's FP8 pool), for bf16 and FP8: the same outputs, and the time of each."""
+    res = {}
+    lens = prefill_batch_lengths(**PREFILL_BATCH)
+    for fp8 in (False, True):
+        kv = "fp8" if fp8 else "bf16"
+        shapes = [("decode", batch, ctx) for batch, ctx in DECODE_SHAPES] + [("prefill", len(lens), 0)]
+        for kind, batch, ctx in shapes[-2:] if quick else shapes:
+            seq_lens = lens if kind == "prefill" else [ctx] * batch
+            paged = Paged(gen, seq_lens, KV_HEADS, HEAD_DIM, 16, fp8_scales() if fp8 else None)
+            num_queries = sum(seq_lens) if kind == "prefill" else batch
+            query = randn(gen, num_queries, HEADS, HEAD_DIM)
+            entry, outs = {}, {}
+            for layout, convert in (("token_major", _token_major), ("head_major", _head_major)):
+                k_cache, v_cache = convert(paged.k_cache), convert(paged.v_cache)
+                out = poison(num_queries, HEADS, HEAD_DIM)
+                if kind == "prefill":
+                    qsl = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=DEVICE)
+                    fn = partial(
+                        K.attn.paged_prefill_attention, query, k_cache, v_cache, qsl, paged.seq_lens,
+                        paged.block_tables, max(seq_lens), HEAD_DIM**-0.5, out=out, **paged.scales,
+                    )  # fmt: skip
+                    us = bench(fn) * 1e3
+                else:
+                    fn = partial(
+                        K.attn.paged_decode_attention, query, k_cache, v_cache, paged.block_tables,
+                        paged.seq_lens, HEAD_DIM**-0.5, out=out, **paged.scales,
+                    )  # fmt: skip
+                    us = graph_bench(fn) * 1e3
+                fn()
+                outs[layout] = out.clone()
+                entry[layout] = {"us": round(us, 2), "kv_tbps": round(paged.kv_bytes / us / 1e6, 3)}
+            same = torch.equal(outs["token_major"], outs["head_major"])
+            record("layout", {"kind": kind, "kv": kv, "batch": batch, "ctx": ctx}, same)
+            key = f"{kind} {kv} " + (
+                f"B={batch} ctx={ctx}" if kind == "decode" else f"{sum(seq_lens)} tokens"
+            )
+            res[key] = {**entry, "identical_outputs": same}
+            TABLE.append(
+                (
+                    f"layout {key}",
+                    f"token-major {entry['token_major']['us']:.1f} us, head-major "
+                    f"{entry['head_major']['us']:.1f} us" + ("" if same else " (OUTPUTS DIFFER)"),
+                )
+            )
+            del paged
+    RESULTS["timing"]["layout"] = res
+
+
 def varlen_flash_attention():
     """torch's FlashAttention varlen kernel on contiguous K/V (a reference point; None if absent)."""
     try:
@@ -1436,7 +1492,9 @@ def guarded(name: str, stage: Callable) -> None:
     log(f"[{name}] {time.perf_counter() - started:.1f} s")
 
 
-SECTIONS = ("ceiling", "correctness", "elementwise", "sampler", "gemv", "decode", "prefill", "mock_step")
+SECTIONS = (
+    "ceiling", "correctness", "elementwise", "sampler", "gemv", "decode", "prefill", "layout", "mock_step",
+)  # fmt: skip
 
 
 def main() -> int:
@@ -1475,6 +1533,7 @@ def main() -> int:
         "gemv": lambda: time_gemv(gen, opts.quick),
         "decode": lambda: time_decode(gen, opts.quick),
         "prefill": lambda: time_prefill(gen, opts.quick),
+        "layout": lambda: time_layouts(gen, opts.quick),
         "mock_step": lambda: time_mock_step(gen, opts.quick),
     }
     wanted = opts.only or [s for s in SECTIONS if not (s == "correctness" and opts.skip_correctness)]
