@@ -6,9 +6,9 @@ schedules and launches step n+1, then waits for step n and turns its result into
 host's work for one step overlaps the device's for the other. Step n+1's input for a decoding request is
 step n's sampled token, which stays on the device. A request that step n finished has a row in step
 n+1 that is wasted: its token is dropped. A step with structured-outputs rows is launched with its
-sampling deferred, after step n's tokens have advanced the grammars and step n+1's bitmask has started
-filling on a worker thread; the next call schedules and prepares step n+2, then takes the bitmask and
-launches step n+1's sampling (see engine/structured_outputs.py).
+sampling deferred, once step n's tokens are on the host: a worker thread feeds them to the grammars and
+fills step n+1's bitmask meanwhile; the next call schedules and prepares step n+2, then takes the
+bitmask and launches step n+1's sampling (see engine/structured_outputs.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -117,20 +118,26 @@ class EngineCore:
             self._sample_structured(*previous)
             if constrained:
                 # They also advance the grammars that this step's bitmask is made from: taken now, they
-                # let the bitmask fill on the worker while this step's forward pass is launched and the
-                # previous step's outputs are made, instead of after them.
+                # let the grammars advance and the bitmask fill on the worker while this step's forward
+                # pass is launched and the previous step's outputs are made, instead of after them.
                 previous_result = previous[1].result()
-                self.scheduler.advance_grammars(previous[0], previous_result)
         handle = None
         if prepared is not None:
             if constrained:
+                advance = None
+                if previous_result is not None:
+                    advance = partial(self.scheduler.advance_grammars, previous[0], previous_result)
                 grammars = self._grammars(out)
                 if grammars:
-                    self._pending_bitmask = (out, self.structured_outputs.start_bitmask(grammars))
+                    self._pending_bitmask = (out, self.structured_outputs.start_bitmask(grammars, advance))
+                elif advance is not None:
+                    advance()
             handle = self.executor.launch(out, prepared, defer_sampling=constrained)
             self._in_flight = (out, handle)
         if previous is None:
             return EngineCoreOutputs()
+        if previous_result is not None and self._pending_bitmask is not None:
+            self._pending_bitmask[1].wait_advanced()  # its results are what the update reads
         return self._finish_step(*previous, previous_result)
 
     def _grammars(self, out: SchedulerOutput) -> list[tuple[int, Grammar]]:

@@ -3,24 +3,27 @@ step's token bitmask of its constrained rows.
 
 The bitmask of step n+1 depends on the token step n samples, so step n+1's forward pass is launched
 with its sampling deferred. With async scheduling one call of the core (``EngineCore.step``) schedules
-and prepares step n+1, takes step n's bitmask and launches step n's sampling, waits for step n's
-tokens and feeds them to the grammars (``Scheduler.advance_grammars``), starts filling step n+1's
-bitmask, launches step n+1's forward pass and makes step n's outputs. On CUDA the fill runs on a
-worker thread (:meth:`StructuredOutputManager.start_bitmask`) beside that launch, those outputs (and,
-in-process, the frontend's processing of them) and the next call's schedule and prepare, until the
-next call takes it for step n+1's sampling; the engine thread asks the grammars nothing meanwhile.
+and prepares step n+1, takes step n's bitmask and launches step n's sampling, and waits for step n's
+tokens; then step n's tokens are fed to the grammars (``Scheduler.advance_grammars``) and step n+1's
+bitmask is filled, while the core launches step n+1's forward pass and makes step n's outputs. On CUDA
+both run on a worker thread (:meth:`StructuredOutputManager.start_bitmask`): the feeding beside the
+forward launch (whose graph replay releases the GIL), the fill beside the rest of that launch, step
+n's outputs (and, in-process, the frontend's processing of them) and the next call's schedule and
+prepare, until the next call takes the bitmask for step n+1's sampling. Step n's outputs wait only
+for the feeding (:meth:`PendingBitmask.wait_advanced`), and the engine thread asks the grammars
+nothing while the worker runs.
 
-The grammar libraries fill without the GIL; the worker needs it only to start and to finish, and a
-busy engine thread hands it over once per switch interval (5 ms by default, longer than a step:
-benchmarks/structured_backends.py --fill-threads measured a 0.6 ms fill taking 11 ms beside a busy
-thread, 1.0 ms at a 0.1 ms interval), so the interval is lowered while a fill is in flight. Without
-async scheduling the fill runs on the engine's thread, between the forward pass's launch and the
-sampling's.
+The grammar libraries fill without the GIL; the worker needs it to start, to feed the tokens and to
+finish, and a busy engine thread hands it over once per switch interval (5 ms by default, longer than
+a step: benchmarks/structured_backends.py --fill-threads measured a 0.6 ms fill taking 11 ms beside a
+busy thread, 1.0 ms at a 0.1 ms interval), so the interval is lowered while the worker runs. On the
+CPU (``fill_on_worker`` off) and without async scheduling both run on the engine's thread.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -108,22 +111,43 @@ class StructuredOutputManager:
         self.finish_pending()
         return self._fill(self._take_buffer(grammars), grammars)
 
-    def start_bitmask(self, grammars: list[tuple[int, Grammar]]) -> PendingBitmask:
-        """Starts filling the bitmask of (scheduled row, matcher) pairs on the worker thread and returns
-        at once (with ``fill_on_worker`` off: fills it first). Until :meth:`PendingBitmask.result`, the
-        caller must not ask these matchers anything."""
+    def start_bitmask(
+        self, grammars: list[tuple[int, Grammar]], advance: Callable[[], None] | None = None
+    ) -> PendingBitmask:
+        """Starts filling the bitmask of (scheduled row, matcher) pairs on the worker thread, after
+        ``advance`` (which feeds the matchers their latest tokens), and returns at once; with
+        ``fill_on_worker`` off, runs both first. Until :meth:`PendingBitmask.result`, the caller must
+        not ask these matchers anything, nor read what ``advance`` writes before
+        :meth:`PendingBitmask.wait_advanced`."""
         self.finish_pending()
         result = self._take_buffer(grammars)
         if not self.fill_on_worker:
             done: Future[GrammarBitmask] = Future()
-            done.set_result(self._fill(result, grammars))
-            return PendingBitmask(self, done)
+            done.set_result(self._advance_and_fill(result, grammars, advance, None))
+            return PendingBitmask(self, done, None)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoinfer-bitmask")
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, FILL_SWITCH_INTERVAL_S))
-        self._pending = PendingBitmask(self, self._worker.submit(self._fill, result, grammars))
+        advanced = threading.Event()
+        future = self._worker.submit(self._advance_and_fill, result, grammars, advance, advanced)
+        self._pending = PendingBitmask(self, future, advanced)
         return self._pending
+
+    def _advance_and_fill(
+        self,
+        result: GrammarBitmask,
+        grammars: list[tuple[int, Grammar]],
+        advance: Callable[[], None] | None,
+        advanced: threading.Event | None,
+    ) -> GrammarBitmask:
+        try:
+            if advance is not None:
+                advance()
+        finally:
+            if advanced is not None:
+                advanced.set()
+        return self._fill(result, grammars)
 
     def finish_pending(self) -> None:
         """Waits for the fill in flight, if any (its buffer is about to be reused, or the engine stops)."""
@@ -171,9 +195,25 @@ class StructuredOutputManager:
 class PendingBitmask:
     """A bitmask being filled on the manager's worker thread (``StructuredOutputManager.start_bitmask``)."""
 
-    def __init__(self, manager: StructuredOutputManager, future: Future[GrammarBitmask]):
+    def __init__(
+        self,
+        manager: StructuredOutputManager,
+        future: Future[GrammarBitmask],
+        advanced: threading.Event | None,
+    ):
         self._manager = manager
         self._future = future
+        self._advanced = advanced  # set once the matchers have been fed (None: already done)
+
+    def wait_advanced(self) -> None:
+        """Waits until the ``advance`` given to ``start_bitmask`` has run; re-raises what it raised."""
+        if self._advanced is None:
+            return
+        started = time.perf_counter()
+        self._advanced.wait()
+        self._manager.mask_wait_seconds += time.perf_counter() - started
+        if self._future.done() and self._future.exception() is not None:
+            self.result()
 
     def result(self) -> GrammarBitmask:
         """The filled bitmask, after waiting for the worker; re-raises what the fill raised."""

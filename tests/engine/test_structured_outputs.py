@@ -273,14 +273,15 @@ def test_async_scheduling_samples_a_constrained_step_after_preparing_the_next_an
     assert sampled_after.count(1) >= 20 and set(sampled_after) <= {0, 1}, sampled_after
 
 
-def test_async_bitmask_fills_on_a_worker_while_its_step_launches_and_no_grammar_is_asked_meanwhile(
+def test_async_grammars_advance_and_bitmask_fills_on_a_worker_while_its_step_launches(
     tiny_qwen3, monkeypatch
 ):
-    """With async scheduling a constrained step's bitmask starts filling on the structured-outputs
-    worker before the step is launched (the previous step's tokens have already advanced the grammars)
-    and is taken when the step samples; while it fills, the engine thread asks no grammar anything
-    (the fill is slowed down here, so that a question in that window would be caught). The outputs stay
-    valid and the seeded tokens are those of a run without async scheduling."""
+    """With async scheduling a constrained step is launched after the previous step's tokens have been
+    taken; the worker then feeds them to the grammars and fills the step's bitmask while the step is
+    launched and the previous step's outputs are made, and the bitmask is taken when the step samples.
+    While the worker runs (slowed down here, so that a question in that window would be caught), the
+    engine thread asks no grammar anything. The outputs stay valid and the seeded tokens are those of
+    a run without async scheduling."""
     from nanoinfer.structured.backend import LLGuidanceGrammar
     from nanoinfer.structured.xgrammar_backend import XGrammarGrammar
 
@@ -297,36 +298,44 @@ def test_async_bitmask_fills_on_a_worker_while_its_step_launches_and_no_grammar_
         sync.close()
 
     engine_thread = threading.get_ident()
-    filling = threading.Event()
-    fill_threads: set[int] = set()
-    asked_while_filling: list[str] = []
+    working = threading.Event()
+    worker_threads: set[int] = set()
+    asked_while_working: list[str] = []
     for cls in (LLGuidanceGrammar, XGrammarGrammar):
         for name in ("accept_token", "fill_bitmask", "is_terminated", "is_accepting"):
             original = getattr(cls, name)
 
             def guarded(self, *args, _original=original, _name=name):
-                if filling.is_set() and threading.get_ident() == engine_thread:
-                    asked_while_filling.append(_name)
+                if working.is_set() and threading.get_ident() == engine_thread:
+                    asked_while_working.append(_name)
                 return _original(self, *args)
 
             monkeypatch.setattr(cls, name, guarded)
     llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, max_num_seqs=8)
     try:
         core = llm.llm_engine.engine_core
-        core.structured_outputs.fill_on_worker = True  # the CUDA default
-        compiler = core.structured_outputs.compiler
-        fill = compiler.fill_bitmasks
+        manager = core.structured_outputs
+        manager.fill_on_worker = True  # the CUDA default
+        advance_and_fill = manager._advance_and_fill
+        advanced_on: list[int] = []
+        advance_grammars = core.scheduler.advance_grammars
 
-        def slow_fill(grammars, bitmask):
-            fill_threads.add(threading.get_ident())
-            filling.set()
+        def logged_advance(*args):
+            advanced_on.append(threading.get_ident())
+            return advance_grammars(*args)
+
+        core.scheduler.advance_grammars = logged_advance
+
+        def slow_advance_and_fill(*args):
+            worker_threads.add(threading.get_ident())
+            working.set()
             try:
                 time.sleep(0.002)
-                fill(grammars, bitmask)
+                return advance_and_fill(*args)
             finally:
-                filling.clear()
+                working.clear()
 
-        compiler.fill_bitmasks = slow_fill
+        manager._advance_and_fill = slow_advance_and_fill
         launched_filling: list[bool] = []
         launch = core.executor.launch
 
@@ -343,8 +352,9 @@ def test_async_bitmask_fills_on_a_worker_while_its_step_launches_and_no_grammar_
             if output.outputs[0].finish_reason == "stop":
                 CHECKS[kind][1](output.outputs[0].text)
         assert len(launched_filling) >= 20 and all(launched_filling), launched_filling
-        assert fill_threads and engine_thread not in fill_threads
-        assert asked_while_filling == []
+        assert worker_threads and engine_thread not in worker_threads
+        assert len(advanced_on) >= 20 and set(advanced_on) <= worker_threads, advanced_on
+        assert asked_while_working == []
         _no_leak(llm)
     finally:
         llm.close()
