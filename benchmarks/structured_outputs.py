@@ -101,6 +101,11 @@ def _phase_targets(llm: LLM) -> list:
             (triton_bitmask, "apply_token_bitmask", "  bitmask kernel"),
             (runner.sampler, "sample_isolating_faults", "  sampler"),
             (runner.pinned_outputs, "to_host", "  tokens to host"),
+            *(
+                [(runner.graphs, "replay_masked_sampling", "  masked sampling graph")]
+                if runner.graphs
+                else []
+            ),
         ]
         if runner is not None
         else []

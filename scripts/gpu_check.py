@@ -270,6 +270,53 @@ def graph_sampling_checks() -> bool:
     return ok
 
 
+def masked_graph_sampling_checks() -> bool:
+    """Constrained rows sampled by the masked sampling graphs (bitmask and Gumbel-max in one replay)
+    against the same engine sampling them eagerly after the forward graph (its masked graphs dropped):
+    identical tokens for the constrained rows and the unconstrained ones beside them."""
+    from nanoinfer import StructuredOutputsParams
+
+    path = build_model(
+        tempfile.mkdtemp(prefix="gpu-check-masked-sampling-"), hidden_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+        weight_std=0.04, dtype="bfloat16",
+    )  # fmt: skip
+    regex = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"
+    params = [
+        SamplingParams(
+            temperature=0.9, seed=i, max_tokens=48, structured_outputs=StructuredOutputsParams(regex=regex)
+        )
+        for i in range(6)
+    ] + [SamplingParams(temperature=0.8, seed=20 + i, max_tokens=40, ignore_eos=True) for i in range(3)]
+    prompts = ["data", "hello", "world"] * 3
+    tokens, used = [], []
+    for in_graph in (True, False):
+        llm = LLM(path)
+        graphs = llm.llm_engine.engine_core.executor.runner.graphs
+        captured = bool(graphs.masked_sampling_graphs)
+        if not in_graph:
+            graphs.masked_sampling_graphs.clear()
+        replays = 0
+        replay = graphs.replay_masked_sampling
+
+        def counted(batch_size, _replay=replay):
+            nonlocal replays
+            replays += 1
+            return _replay(batch_size)
+
+        graphs.replay_masked_sampling = counted
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        used.append(replays)
+        llm.close()
+    ok = captured and used[0] >= 10 and used[1] == 0 and tokens[0] == tokens[1]
+    mismatched = [i for i, (a, b) in enumerate(zip(*tokens, strict=True)) if a != b]
+    RESULTS["masked_graph_sampling"] = {
+        "ok": ok, "captured": captured, "replays": used, "mismatched_prompts": mismatched
+    }  # fmt: skip
+    log(f"{'PASS' if ok else 'FAIL'} masked sampling graphs: replays {used}, mismatched prompts {mismatched}")
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-kernels", action="store_true")
@@ -290,6 +337,7 @@ def main() -> int:
         ok &= graph_sampling_checks()
         ok &= fp8_checks()
         ok &= structured_checks()
+        ok &= masked_graph_sampling_checks()
         log(f"[engine] {time.perf_counter() - started:.0f}s")
     except Exception:  # noqa: BLE001 - report and fail
         RESULTS["error"] = traceback.format_exc()

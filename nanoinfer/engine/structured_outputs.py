@@ -54,12 +54,20 @@ class GrammarBitmask:
     # Recorded after the copy to the GPU, which reads the (pinned) buffer until then.
     uploaded: torch.cuda.Event | None = None
 
-    def upload(self, device: torch.device) -> torch.Tensor:
-        """The bitmask on ``device``, without waiting for the device: the buffer is pinned on CUDA, and
-        is refilled only after ``uploaded`` (see :meth:`StructuredOutputManager._take_buffer`)."""
-        if device.type != "cuda":
+    def upload(self, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The bitmask on ``device`` (in the first rows of ``out`` when given), without waiting for the
+        device: the buffer is pinned on CUDA, and is refilled only after ``uploaded`` (see
+        :meth:`StructuredOutputManager._take_buffer`)."""
+        on_cuda = device.type == "cuda"
+        if out is not None:
+            masks = out[: self.bitmask.shape[0]]
+            masks.copy_(self.bitmask, non_blocking=on_cuda)
+        elif on_cuda:
+            masks = self.bitmask.to(device, non_blocking=True)
+        else:
             return self.bitmask
-        masks = self.bitmask.to(device, non_blocking=True)
+        if not on_cuda:
+            return masks
         self.uploaded = torch.cuda.Event()
         self.uploaded.record()
         return masks

@@ -7,7 +7,9 @@ from the model runner's persistent step buffers, so a replay needs no copies bey
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -63,7 +65,14 @@ class CudaGraphs:
     """Per batch size, a graph of the forward pass (hidden states into ``output``) and, with ``sampling``
     (the step's sampling rows' temperature, seed and offset buffers), a second one that also computes
     the logits and samples every row by temperature alone into ``tokens``: a step whose rows use no
-    filter, penalty or logprobs replays that one and launches nothing else."""
+    filter, penalty or logprobs replays that one and launches nothing else.
+
+    With ``sampling``, also a third graph per batch size for such a step with structured-outputs rows,
+    whose sampling waits for their bitmask: it applies the bitmask in ``mask`` (row i is the bitmask of
+    logits row ``mask_rows[i]``; rows past the step's constrained ones allow every token) to the logits
+    in ``logits`` and samples as the second one does. The step copies its logits there after the forward
+    graph, and its bitmask with :meth:`load_mask` before :meth:`replay_masked_sampling`; eagerly this
+    sampling is three Triton launches and a handful of tensor operations."""
 
     def __init__(
         self,
@@ -78,42 +87,88 @@ class CudaGraphs:
         self.sampling = sampling
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.masked_sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         rows, device = buffers.seq_lens.shape[0], buffers.seq_lens.device
         self.output = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        # The masked sampling graphs' inputs, allocated by capture once the logits' width is known.
+        self.logits: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None  # int32 [rows, ceil(vocab / 32)]
+        self.mask_rows: torch.Tensor | None = None  # int64 [rows]
+        self._mask_rows_in_use = 0  # mask rows [0, this) may allow less than every token
+        self._pool = None  # the graphs' shared memory pool, from the first capture
 
     @torch.inference_mode()
     def capture(self, sizes: list[int], max_model_len: int) -> None:
         b = self.buffers
         b.query_start_loc.copy_(torch.arange(len(b.query_start_loc), dtype=torch.int32))
-        pool = None
+        self._pool = None
         for bs in reversed(sizes):  # largest first so smaller graphs fit in its memory pool
-            graph = torch.cuda.CUDAGraph()
             meta = b.decode_metadata(bs, max_model_len)
-            # One eager run first: lazy initialisation (kernel compilation) must not be captured.
-            self.output[:bs] = self.model(b.input_ids[:bs], b.positions[:bs], meta)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph, pool):
-                self.output[:bs] = self.model(b.input_ids[:bs], b.positions[:bs], meta)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            self.graphs[bs] = self._record(partial(self._forward, bs, meta))
             if self.sampling is not None:
-                self._forward_and_sample(bs, meta)
-                torch.cuda.synchronize()
-                sampling_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(sampling_graph, pool):
-                    self._forward_and_sample(bs, meta)
-                self.sampling_graphs[bs] = sampling_graph
-                torch.cuda.synchronize()
+                self.sampling_graphs[bs] = self._record(partial(self._forward_and_sample, bs, meta))
+                self.masked_sampling_graphs[bs] = self._record(partial(self._mask_and_sample, bs))
         self.graphs = dict(sorted(self.graphs.items()))
+
+    def _record(self, run: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of ``run``, in the graphs' shared memory pool. One eager run first: lazy
+        initialisation (kernel compilation, the masked sampling inputs) must not be captured."""
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self._pool):
+            run()
+        if self._pool is None:
+            self._pool = graph.pool()
+        torch.cuda.synchronize()
+        return graph
+
+    def _forward(self, bs: int, meta: AttentionMetadata) -> None:
+        b = self.buffers
+        self.output[:bs] = self.model(b.input_ids[:bs], b.positions[:bs], meta)
 
     def _forward_and_sample(self, bs: int, meta: AttentionMetadata) -> None:
         from nanoinfer.kernels.triton_sampling import gumbel_sample
 
         b, s = self.buffers, self.sampling
         logits = self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta))
+        if self.logits is None:  # the first (eager) run of the largest batch size
+            self._allocate_mask_inputs(logits)
         gumbel_sample(logits, s.temperature[:bs], s.seeds[:bs], s.offsets[:bs], out=self.tokens[:bs])
+
+    def _allocate_mask_inputs(self, logits: torch.Tensor) -> None:
+        rows, vocab_size = self.tokens.shape[0], logits.shape[1]
+        device = logits.device
+        self.logits = torch.zeros(rows, vocab_size, dtype=logits.dtype, device=device)
+        self.mask = torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+        self.mask_rows = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def _mask_and_sample(self, bs: int) -> None:
+        from nanoinfer.kernels.triton_sampling import gumbel_sample
+        from nanoinfer.structured.triton_bitmask import apply_token_bitmask
+
+        s = self.sampling
+        logits = self.logits[:bs]
+        apply_token_bitmask(logits, self.mask[:bs], self.mask_rows[:bs])
+        gumbel_sample(logits, s.temperature[:bs], s.seeds[:bs], s.offsets[:bs], out=self.tokens[:bs])
+
+    def load_mask(self, num_rows: int, logits_rows: torch.Tensor | None) -> None:
+        """The next masked sampling replay's bitmask: ``mask[:num_rows]`` is already written (by the
+        caller's copy), row i for logits row ``logits_rows[i]`` (a device tensor); later rows are reset
+        to allow every token."""
+        if num_rows:
+            self.mask_rows[:num_rows].copy_(logits_rows)
+        in_use = self._mask_rows_in_use
+        if num_rows < in_use:
+            self.mask[num_rows:in_use].fill_(-1)
+            self.mask_rows[num_rows:in_use].zero_()
+        self._mask_rows_in_use = num_rows
+
+    def replay_masked_sampling(self, batch_size: int) -> torch.Tensor:
+        """The sampled tokens [batch_size] (padding rows' too) of the masked sampling graph."""
+        self.masked_sampling_graphs[batch_size].replay()
+        return self.tokens[:batch_size]
 
     def batch_size_for(self, num_rows: int) -> int | None:
         """The graph a pure-decode batch of ``num_rows`` rows replays, or None (run eagerly)."""
@@ -131,6 +186,7 @@ class CudaGraphs:
     def clear(self) -> None:
         self.graphs.clear()
         self.sampling_graphs.clear()
+        self.masked_sampling_graphs.clear()
 
 
 def piecewise_token_buckets(max_num_batched_tokens: int) -> list[int]:

@@ -59,8 +59,10 @@ class StepHandle:
         self._tokens: torch.Tensor | None = None  # [sampled rows], on the host (pinned) or CPU
         self._event: torch.cuda.Event | None = None  # after which _tokens is filled
         self._wait: DeviceWait | None = None
-        # A step whose sampling waits for a grammar bitmask: its logits and sampling inputs.
+        # A step whose sampling waits for a grammar bitmask: its logits and sampling inputs, and the
+        # batch size of the masked sampling graph that samples it (None: it samples eagerly).
         self.deferred: tuple[torch.Tensor, SamplingMetadata] | None = None
+        self.deferred_graph_bs: int | None = None
         self.logprobs: LogprobsTensors | None = None
         self.logprob_rows: list[int] = []  # logits rows the logprobs belong to
         self.prompt_logprobs: TokenLogprobs | None = None
@@ -450,6 +452,9 @@ class ModelRunner:
         logits = self._compute_logits(hidden if every_token_samples else hidden[staged["logits_index"]])
         if defer_sampling:
             handle.deferred = (logits, metadata)
+            if graph_bs is not None and metadata.temperature_only and self.graphs.masked_sampling_graphs:
+                self.graphs.logits[: len(logits)].copy_(logits)
+                handle.deferred_graph_bs = graph_bs
         else:
             self._sample(handle, logits, metadata)
         return handle
@@ -461,9 +466,12 @@ class ModelRunner:
         if handle.deferred is None:
             raise RuntimeError("sample() needs a step executed with defer_sampling=True")
         (logits, metadata), handle.deferred = handle.deferred, None
+        graph_bs, handle.deferred_graph_bs = handle.deferred_graph_bs, None
+        if graph_bs is not None:
+            self._sample_in_graph(handle, graph_bs, bitmask)
+            return
         if bitmask is not None and bitmask.rows:
-            logits_row = {index: j for j, index in enumerate(handle.plan.sample_rows)}
-            rows = np.array([logits_row[index] for index in bitmask.rows], dtype=np.int64)
+            rows = self._logits_rows(handle, bitmask)
             masks = bitmask.upload(self.device)
             if logits.device.type == "cuda":
                 from nanoinfer.structured.triton_bitmask import apply_token_bitmask
@@ -472,6 +480,25 @@ class ModelRunner:
             else:
                 apply_token_bitmask_ref(logits, masks, rows.tolist())
         self._sample(handle, logits, metadata)
+
+    def _sample_in_graph(self, handle: StepHandle, graph_bs: int, bitmask: GrammarBitmask | None) -> None:
+        """A deferred pure-decode step of temperature-only rows: its logits are in the graphs' logits
+        buffer (execute copied them there), its bitmask goes to their mask buffer, one replay samples."""
+        graphs = self.graphs
+        if bitmask is not None and bitmask.rows:
+            rows = self._logits_rows(handle, bitmask)
+            bitmask.upload(self.device, out=graphs.mask)
+            graphs.load_mask(len(rows), self._to_device(rows))
+        else:
+            graphs.load_mask(0, None)
+        tokens = graphs.replay_masked_sampling(graph_bs)[: len(handle.plan.sample_rows)]
+        self._take_tokens(handle, SamplerOutput(tokens), {})
+
+    @staticmethod
+    def _logits_rows(handle: StepHandle, bitmask: GrammarBitmask) -> np.ndarray:
+        """The logits row of each of the bitmask's rows."""
+        logits_row = {index: j for j, index in enumerate(handle.plan.sample_rows)}
+        return np.array([logits_row[index] for index in bitmask.rows], dtype=np.int64)
 
     def _sample(self, handle: StepHandle, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         self._take_tokens(handle, *self.sampler.sample_isolating_faults(logits, metadata))

@@ -70,7 +70,8 @@ class PinnedRing:
         """A host copy of ``tensor`` (a view of a ring buffer, valid until the ring comes round again)
         and the event after which it is filled (None on the CPU: it already is)."""
         if not self._cuda:
-            return tensor, None
+            # A copy here too: the tensor may be a buffer that the next step overwrites (a graph's).
+            return tensor.clone(), None
         nbytes = tensor.numel() * tensor.element_size()
         buffer, index = self._take(nbytes)
         host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)

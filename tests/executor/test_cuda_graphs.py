@@ -1,0 +1,134 @@
+"""The decode graphs' step paths on the CPU: ``CudaGraphs`` with each graph replaced by the function it
+would capture, run eagerly (the capture itself is CUDA's), so that what a replay computes and how the
+model runner feeds and reads the graphs' buffers are checked here. Pure-decode steps then go through
+the forward graphs, temperature-only ones through the sampling graphs, and constrained ones through
+the masked sampling graphs; every token must be the one the engine samples without graphs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+from nanoinfer.executor.cuda_graphs import CudaGraphs, cuda_graph_batch_sizes
+
+pytest.importorskip("triton")  # the sampling graphs' kernels
+
+REGEX = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"
+PROMPTS = ["hello world", "the quick brown fox", "a", "jumps over the lazy dog again and again"]
+
+
+class EagerGraph:
+    """Stands in for a captured graph: a replay runs the captured function."""
+
+    def __init__(self, run):
+        self.run = run
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.run()
+
+
+class EagerCudaGraphs(CudaGraphs):
+    def _record(self, run) -> EagerGraph:
+        run()
+        return EagerGraph(run)
+
+
+def _with_eager_graphs(llm: LLM) -> EagerCudaGraphs:
+    config = llm.llm_engine.config
+    runner = llm.llm_engine.engine_core.executor.runner
+    graphs = EagerCudaGraphs(
+        runner.model,
+        runner.buffers,
+        config.hf_config.hidden_size,
+        runner.dtype,
+        runner.input_batch.step_sampling,
+    )
+    graphs.capture(cuda_graph_batch_sizes(config.max_num_seqs), config.max_model_len)
+    runner.graphs = graphs
+    return graphs
+
+
+def _params() -> list[SamplingParams]:
+    constrained = [
+        SamplingParams(
+            temperature=0.9, seed=i, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=REGEX)
+        )
+        for i in range(3)
+    ]
+    plain = [
+        SamplingParams(temperature=0.0 if i == 0 else 0.8, seed=10 + i, max_tokens=30, ignore_eos=True)
+        for i in range(3)
+    ]
+    return constrained + plain
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_graph_paths_sample_the_tokens_of_the_eager_engine(tiny_qwen3, async_scheduling):
+    params = _params()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    tokens = {}
+    for with_graphs in (False, True):
+        llm = LLM(tiny_qwen3, device="cpu", async_scheduling=async_scheduling, max_num_seqs=8)
+        try:
+            graphs = _with_eager_graphs(llm) if with_graphs else None
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            tokens[with_graphs] = [o.outputs[0].token_ids for o in outputs]
+            texts = [o.outputs[0] for o in outputs]
+            stats = llm.llm_engine.stats()
+            assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+            if graphs is not None:
+                replays = {
+                    name: sum(g.replays for g in getattr(graphs, name).values())
+                    for name in ("sampling_graphs", "masked_sampling_graphs")
+                }
+                # Constrained rows sample through the masked graphs until they finish, the others
+                # after them through the sampling graphs.
+                assert replays["masked_sampling_graphs"] >= 10 and replays["sampling_graphs"] >= 5, replays
+        finally:
+            llm.close()
+    assert tokens[True] == tokens[False]
+    for output in texts[:3]:
+        if output.finish_reason == "stop":
+            assert re.fullmatch(REGEX, output.text), output.text
+
+
+def _masked_sampling_steps(graphs: CudaGraphs) -> None:
+    vocab_size = graphs.logits.shape[1]
+    graphs.logits[:4] = torch.randn(4, vocab_size)
+    s = graphs.sampling
+    s.temperature[:4] = 0.0  # greedy: the argmax of what the mask leaves
+    only = torch.zeros(3, graphs.mask.shape[1], dtype=torch.int32)
+    only[:, 0] = 1 << 5  # token 5 alone
+    graphs.mask[:3] = only
+    graphs.load_mask(3, torch.tensor([2, 0, 3]))
+    free = graphs.logits[:4].argmax(dim=-1)
+    assert graphs.replay_masked_sampling(4).tolist() == [5, free[1].item(), 5, 5]
+    graphs.logits[:4] = torch.randn(4, vocab_size)
+    graphs.mask[:1] = only[:1]
+    graphs.load_mask(1, torch.tensor([1]))
+    free = graphs.logits[:4].argmax(dim=-1)
+    assert graphs.replay_masked_sampling(4).tolist() == [
+        free[0].item(),
+        5,
+        free[2].item(),
+        free[3].item(),
+    ]
+    graphs.logits[:4] = torch.randn(4, vocab_size)
+    graphs.load_mask(0, None)
+    assert graphs.replay_masked_sampling(4).tolist() == graphs.logits[:4].argmax(dim=-1).tolist()
+
+
+def test_masked_sampling_mask_rows_reset_when_fewer_rows_are_constrained(tiny_qwen3):
+    """load_mask's rows past the step's constrained ones allow every token again: a row constrained in
+    one step samples freely in the next once it is not listed."""
+    llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=8)
+    try:
+        with torch.inference_mode():
+            _masked_sampling_steps(_with_eager_graphs(llm))
+    finally:
+        llm.close()
