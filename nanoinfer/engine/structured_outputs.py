@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     # The grammar libraries are imported by the first constrained request only.
     from nanoinfer.structured.backend import Grammar, GrammarCompiler
 
-# The GIL switch interval while a fill runs on the worker: the worker waits at most this long for the
-# GIL at its start and end (see the module docstring).
+# The GIL switch interval while the worker runs: it waits at most this long for the GIL whenever it needs
+# it back (see the module docstring).
 FILL_SWITCH_INTERVAL_S = 1e-4
 
 
@@ -130,31 +130,35 @@ class StructuredOutputManager:
         self.finish_pending()
         result = self._take_buffer(grammars)
         if not self.fill_on_worker:
-            done: Future[GrammarBitmask] = Future()
-            done.set_result(self._advance_and_fill(result, grammars, advance, None))
-            return PendingBitmask(self, done, None)
+            done = PendingBitmask(self, None)
+            done._future.set_result(self._advance_and_fill(result, grammars, advance, None))
+            return done
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoinfer-bitmask")
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, FILL_SWITCH_INTERVAL_S))
-        advanced = threading.Event()
-        future = self._worker.submit(self._advance_and_fill, result, grammars, advance, advanced)
-        self._pending = PendingBitmask(self, future, advanced)
-        return self._pending
+        pending = PendingBitmask(self, threading.Event())
+        pending._future = self._worker.submit(self._advance_and_fill, result, grammars, advance, pending)
+        self._pending = pending
+        return pending
 
     def _advance_and_fill(
         self,
         result: GrammarBitmask,
         grammars: list[tuple[int, Grammar]],
         advance: Callable[[], None] | None,
-        advanced: threading.Event | None,
+        pending: PendingBitmask | None,
     ) -> GrammarBitmask:
         try:
             if advance is not None:
                 advance()
+        except BaseException as e:
+            if pending is not None:
+                pending.advance_error = e
+            raise
         finally:
-            if advanced is not None:
-                advanced.set()
+            if pending is not None:
+                pending.advanced.set()
         return self._fill(result, grammars)
 
     def finish_pending(self) -> None:
@@ -203,25 +207,21 @@ class StructuredOutputManager:
 class PendingBitmask:
     """A bitmask being filled on the manager's worker thread (``StructuredOutputManager.start_bitmask``)."""
 
-    def __init__(
-        self,
-        manager: StructuredOutputManager,
-        future: Future[GrammarBitmask],
-        advanced: threading.Event | None,
-    ):
+    def __init__(self, manager: StructuredOutputManager, advanced: threading.Event | None):
         self._manager = manager
-        self._future = future
-        self._advanced = advanced  # set once the matchers have been fed (None: already done)
+        self._future: Future[GrammarBitmask] = Future()  # the worker's, once submitted
+        self.advanced = advanced  # set once the matchers have been fed (None: fed before it was made)
+        self.advance_error: BaseException | None = None
 
     def wait_advanced(self) -> None:
         """Waits until the ``advance`` given to ``start_bitmask`` has run; re-raises what it raised."""
-        if self._advanced is None:
+        if self.advanced is None:
             return
         started = time.perf_counter()
-        self._advanced.wait()
+        self.advanced.wait()
         self._manager.mask_wait_seconds += time.perf_counter() - started
-        if self._future.done() and self._future.exception() is not None:
-            self.result()
+        if self.advance_error is not None:
+            raise self.advance_error
 
     def result(self) -> GrammarBitmask:
         """The filled bitmask, after waiting for the worker; re-raises what the fill raised."""

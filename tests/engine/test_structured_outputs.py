@@ -358,3 +358,29 @@ def test_async_grammars_advance_and_bitmask_fills_on_a_worker_while_its_step_lau
         _no_leak(llm)
     finally:
         llm.close()
+
+
+def test_the_worker_raises_a_failed_advance_on_the_engine_thread_and_restores_the_switch_interval(tiny_qwen3):
+    import sys
+
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, max_num_seqs=4)
+    try:
+        manager = llm.llm_engine.engine_core.structured_outputs
+        manager.fill_on_worker = True
+        grammar = manager.compile(CHECKS["regex"][0])
+        interval = sys.getswitchinterval()
+
+        def advance():
+            raise RuntimeError("advance failed")
+
+        pending = manager.start_bitmask([(3, grammar)], advance)
+        with pytest.raises(RuntimeError, match="advance failed"):
+            pending.wait_advanced()
+        with pytest.raises(RuntimeError, match="advance failed"):
+            pending.result()
+        assert sys.getswitchinterval() == interval
+        bitmask = manager.start_bitmask([(3, grammar)]).result()
+        assert bitmask.rows == [3] and bitmask.bitmask.shape[0] == 1 and bitmask.bitmask.any()
+        assert sys.getswitchinterval() == interval
+    finally:
+        llm.close()
