@@ -51,12 +51,14 @@ class GrammarBitmask:
 
     rows: list[int]  # indices into SchedulerOutput.scheduled, of rows that sample
     bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)] on the CPU (see structured/backend.py)
-    # Recorded after the copy to the GPU, which reads the (pinned) buffer until then.
-    uploaded: torch.cuda.Event | None = None
+    # The buffer's event (CUDA; one for all its bitmasks: creating one costs more than the copy's launch),
+    # recorded after the copy to the GPU, which reads the (pinned) buffer until then.
+    upload_event: torch.cuda.Event | None = None
+    uploaded: bool = False
 
     def upload(self, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
         """The bitmask on ``device`` (in the first rows of ``out`` when given), without waiting for the
-        device: the buffer is pinned on CUDA, and is refilled only after ``uploaded`` (see
+        device: the buffer is pinned on CUDA, and is refilled only after the upload event (see
         :meth:`StructuredOutputManager._take_buffer`)."""
         on_cuda = device.type == "cuda"
         if out is not None:
@@ -68,8 +70,8 @@ class GrammarBitmask:
             return self.bitmask
         if not on_cuda:
             return masks
-        self.uploaded = torch.cuda.Event()
-        self.uploaded.record()
+        self.upload_event.record()
+        self.uploaded = True
         return masks
 
 
@@ -85,6 +87,7 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self._buffer: torch.Tensor | None = None
         self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
+        self._upload_event: torch.cuda.Event | None = None
         # The worker pays where the forward pass leaves the host's cores free (CUDA); on the CPU the
         # fill would compete with the forward pass for them, and a 16-row fill takes well under 0.1 ms
         # (benchmarks/structured_outputs.py --device cpu: ratio 0.75-0.77 with it, 0.78-0.85 without).
@@ -191,8 +194,8 @@ class StructuredOutputManager:
         from nanoinfer.structured.backend import allocate_token_bitmask
 
         previous = self._last
-        if previous is not None and previous.uploaded is not None:
-            previous.uploaded.synchronize()
+        if previous is not None and previous.uploaded:
+            previous.upload_event.synchronize()
         num_rows = len(grammars)
         if self._buffer is None or self._buffer.shape[0] < num_rows:
             self._buffer = allocate_token_bitmask(
@@ -200,7 +203,9 @@ class StructuredOutputManager:
                 self.compiler.vocab_size,
                 pin_memory=self._config.device == "cuda",
             )
-        self._last = GrammarBitmask([row for row, _ in grammars], self._buffer[:num_rows])
+        if self._upload_event is None and self._config.device == "cuda":
+            self._upload_event = torch.cuda.Event()
+        self._last = GrammarBitmask([row for row, _ in grammars], self._buffer[:num_rows], self._upload_event)
         return self._last
 
 
