@@ -446,6 +446,24 @@ def decode_configs(quick: bool) -> dict:
         "fused_n128_w8": K.attn.DecodeConfig(block_n=128, num_warps=8),
         "fused_n32_w1_s2": K.attn.DecodeConfig(block_n=32, num_warps=1, num_stages=2),
         "fused_n16_w1_s4": K.attn.DecodeConfig(block_n=16, num_warps=1, num_stages=4),
+        # Registers capped so that more one-warp programs fit on a multiprocessor (ptxas -v on the sm_90
+        # FP8 kernel: 220 registers uncapped, 9 warps per SM; 168 spills 140 bytes, 128 spills 276; the
+        # 16-key tiles use 176, capped at 128 they spill 24 bytes).
+        "merge_n32_w1_s2_r168": K.attn.DecodeConfig(
+            mode="merge_kernel", block_n=32, num_warps=1, num_stages=2, max_registers=168
+        ),
+        "merge_n32_w1_s2_r128": K.attn.DecodeConfig(
+            mode="merge_kernel", block_n=32, num_warps=1, num_stages=2, max_registers=128
+        ),
+        "merge_n16_w1_s3_r128": K.attn.DecodeConfig(
+            mode="merge_kernel", block_n=16, num_warps=1, num_stages=3, max_registers=128
+        ),
+        "merge_n16_w1_s4_r128": K.attn.DecodeConfig(
+            mode="merge_kernel", block_n=16, num_warps=1, num_stages=4, max_registers=128
+        ),
+        "merge_n32_w2_s2_r128": K.attn.DecodeConfig(
+            mode="merge_kernel", block_n=32, num_warps=2, num_stages=2, max_registers=128
+        ),
     }
     return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32")} if quick else configs
 

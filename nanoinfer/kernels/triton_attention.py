@@ -43,7 +43,9 @@ class DecodeConfig:
     length, at least ``min_split_tiles`` key tiles per split, and a sequence that needs one split
     writes its output directly) or ``"merge_kernel"`` (every grid split writes a partial and a second
     kernel merges them: the default, see ``default_decode_config``). The grid's split count aims at
-    ``target_programs_per_sm`` programs per SM, at most ``max_splits``.
+    ``target_programs_per_sm`` programs per SM, at most ``max_splits``. ``max_registers``: a cap on the
+    registers per thread (ptxas spills the rest), so that more programs fit on a multiprocessor (CUDA
+    only; None: the compiler's choice).
     """
 
     mode: str = "fused"
@@ -53,6 +55,7 @@ class DecodeConfig:
     min_split_tiles: int = 1
     target_programs_per_sm: int = 4
     max_splits: int = 64
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("fused", "merge_kernel"):
@@ -62,6 +65,10 @@ class DecodeConfig:
         for name in ("num_warps", "num_stages", "min_split_tiles", "target_programs_per_sm", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
+            raise ValueError(
+                f"DecodeConfig.max_registers must be None or in [24, 255], got {self.max_registers}"
+            )
 
 
 # The default wherever the grid needs splits (``default_decode_config``); its split count is rounded down
@@ -742,6 +749,7 @@ def _launch_decode(
     # from the batch would otherwise compile a new variant the first time a batch size is met.
     block_s = triton.next_power_of_2(config.max_splits)
     options = launch_options(pdl, query.device)
+    register_cap = {"maxnreg": config.max_registers} if config.max_registers else {}
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -773,6 +781,7 @@ def _launch_decode(
         num_stages=config.num_stages,
         **_scale_args(k_scale, v_scale, out),
         **options,
+        **register_cap,
     )
     if mode == _MODE_MERGE_KERNEL.value:
         _decode_merge_kernel[(batch, num_heads)](

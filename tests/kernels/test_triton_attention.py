@@ -91,6 +91,8 @@ DECODE_CONFIGS = {
     "merge_kernel": "MERGE_KERNEL_DECODE",
     "fused": "FUSED_DECODE",
     "fused_small_tiles": dict(block_n=16, min_split_tiles=2),
+    # A register cap is a compiler option (the interpreter ignores it): the results must not change.
+    "merge_capped_registers": dict(mode="merge_kernel", block_n=16, num_warps=1, max_registers=128),
 }
 
 
@@ -354,5 +356,7 @@ def test_input_validation_names_the_field():
         kernels.paged_decode_attention(query[:, :2], k_cache, k_cache, tables, lens, 0.1, k_scale=scale)
     with pytest.raises(ValueError, match="mode"):
         kernels.DecodeConfig(mode="other")
+    with pytest.raises(ValueError, match="max_registers"):
+        kernels.DecodeConfig(max_registers=300)
     with pytest.raises(ValueError, match="block_m"):
         kernels.PrefillConfig(block_m=48)
