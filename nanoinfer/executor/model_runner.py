@@ -430,10 +430,16 @@ class ModelRunner:
             # Known now, so that the next step can be prepared before this one's sampling is launched.
             scheduled = out.scheduled
             batch.previous_sample_row = {scheduled[i].request_id: j for j, i in enumerate(plan.sample_rows)}
-        if (
-            metadata is not None
+        # The sampling graphs sample their rows in order: every row must sample (a one-token prompt
+        # chunk that is not its prompt's last has one query token too, and samples nothing).
+        samples_in_graph = (
+            graph_bs is not None
+            and every_token_samples
+            and metadata is not None
             and metadata.temperature_only
-            and graph_bs is not None
+        )
+        if (
+            samples_in_graph
             and self.graphs.sampling_graphs
             and not defer_sampling
             and step.prompt_logprob_index is None
@@ -452,7 +458,7 @@ class ModelRunner:
         logits = self._compute_logits(hidden if every_token_samples else hidden[staged["logits_index"]])
         if defer_sampling:
             handle.deferred = (logits, metadata)
-            if graph_bs is not None and metadata.temperature_only and self.graphs.masked_sampling_graphs:
+            if samples_in_graph and self.graphs.masked_sampling_graphs:
                 self.graphs.logits[: len(logits)].copy_(logits)
                 handle.deferred_graph_bs = graph_bs
         else:

@@ -132,3 +132,30 @@ def test_masked_sampling_mask_rows_reset_when_fewer_rows_are_constrained(tiny_qw
             _masked_sampling_steps(_with_eager_graphs(llm))
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("constrained", [False, True], ids=["plain", "constrained"])
+def test_one_token_prompt_chunks_beside_decoding_rows_sample_outside_the_sampling_graphs(
+    tiny_qwen3, constrained
+):
+    """A token budget of 4 for 4 sequences: three decoding rows leave one token to a fourth request's
+    prompt, whose one-token chunk does not sample. Such a step has one query token per row and replays
+    the forward graph, but its logits rows are not its rows, so it samples outside the sampling graphs;
+    the tokens are the engine's without graphs."""
+    regex = StructuredOutputsParams(regex=REGEX) if constrained else None
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True, structured_outputs=regex)
+        for i in range(6)
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] + " again" * i for i in range(6)]
+    tokens = {}
+    for with_graphs in (False, True):
+        llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=4, max_num_batched_tokens=4)
+        try:
+            if with_graphs:
+                _with_eager_graphs(llm)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            tokens[with_graphs] = [o.outputs[0].token_ids for o in outputs]
+        finally:
+            llm.close()
+    assert tokens[True] == tokens[False]
