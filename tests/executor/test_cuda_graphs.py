@@ -159,3 +159,37 @@ def test_one_token_prompt_chunks_beside_decoding_rows_sample_outside_the_samplin
         finally:
             llm.close()
     assert tokens[True] == tokens[False]
+
+
+def test_every_sampling_feature_through_the_graph_paths_matches_the_engine_without_graphs(tiny_qwen3):
+    """Filters, penalties, logprobs, min_tokens, n > 1, prefix hits and preemption (a pool of 12 blocks
+    for 6 requests) through the forward graphs (the general sampler after them) and the sampling
+    graphs: the tokens and logprobs of the engine without graphs."""
+    shared = "the same long prefix of the prompt, repeated for the prefix cache " * 2
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.8, seed=1, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=5, min_p=0.05, seed=2, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.6, repetition_penalty=1.3, presence_penalty=0.5, seed=3, max_tokens=20),
+        SamplingParams(temperature=0.0, logprobs=3, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.9, n=2, seed=5, max_tokens=16, min_tokens=8),
+        SamplingParams(temperature=0.8, seed=6, max_tokens=24, ignore_eos=True),
+    ]
+    prompts = [shared + p for p in ("one", "two", "three", "four", "five", "six")]
+    results = {}
+    for with_graphs in (False, True):
+        llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=8, num_kvcache_blocks=12, enable_prefix_caching=True)
+        try:
+            if with_graphs:
+                _with_eager_graphs(llm)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            results[with_graphs] = [
+                [(c.token_ids, [sorted(p.items()) for p in c.logprobs or []]) for c in o.outputs]
+                for o in outputs
+            ]
+            stats = llm.llm_engine.stats()
+            assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+            if with_graphs:
+                assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
+        finally:
+            llm.close()
+    assert results[True] == results[False]
