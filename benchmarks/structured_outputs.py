@@ -234,13 +234,17 @@ def main() -> int:
         matched_ratio = tok_per_s["json_schema"] / tok_per_s["length_matched"]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"{'run':<14} {'seconds':>8} {'tokens':>8} {'tok/s':>10} {'stop/length':>12} {'mask us/step':>13}")
+    print(
+        f"{'run':<14} {'seconds':>8} {'tokens':>8} {'tok/s':>10} {'stop/length':>12} {'mask us/step':>13} "
+        f"{'waited us/step':>15}"
+    )
     for name, r in results.items():
         reasons = f"{r['finish_reasons']['stop']}/{r['finish_reasons']['length']}"
         mask = "-" if r["mask_us_per_step"] is None else f"{r['mask_us_per_step']:.0f}"
+        waited = "-" if r["mask_wait_us_per_step"] is None else f"{r['mask_wait_us_per_step']:.0f}"
         print(
             f"{name:<14} {r['seconds']:>8.2f} {r['output_tokens']:>8} {r['output_tok_per_s']:>10.1f} "
-            f"{reasons:>12} {mask:>13}"
+            f"{reasons:>12} {mask:>13} {waited:>15}"
         )
     if args.profile:
         names = list(results["json_schema"]["host_phase_us_per_step"])
