@@ -240,6 +240,35 @@ def structured_checks() -> bool:
     return ok
 
 
+def _with_and_without_graphs(
+    path: str, prompts: list, params: list, graphs_name: str, replay_name: str
+) -> tuple[bool, list[list[list[int]]], list[int]]:
+    """The prompts' tokens from two fresh engines, the first with the decode graphs in the CudaGraphs
+    attribute ``graphs_name``, the second with those dropped: whether they were captured, each run's
+    tokens, and how many times each run called the replay method ``replay_name``."""
+    tokens, replays = [], []
+    captured = True
+    for keep in (True, False):
+        llm = LLM(path)
+        graphs = llm.llm_engine.engine_core.executor.runner.graphs
+        chosen = getattr(graphs, graphs_name)
+        captured = captured and bool(chosen)
+        if not keep:
+            chosen.clear()
+        calls = [0]
+        replay = getattr(graphs, replay_name)
+
+        def counted(batch_size, _replay=replay, _calls=calls):
+            _calls[0] += 1
+            return _replay(batch_size)
+
+        setattr(graphs, replay_name, counted)
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        replays.append(calls[0])
+        llm.close()
+    return captured, tokens, replays
+
+
 def graph_sampling_checks() -> bool:
     """Temperature-only sampling inside the decode graphs against the same engine sampling after the
     graph's forward pass (its sampling graphs dropped): identical tokens, greedy and seeded rows."""
@@ -254,18 +283,14 @@ def graph_sampling_checks() -> bool:
         SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8, seed=i, max_tokens=40, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    tokens = []
-    for in_graph in (True, False):
-        llm = LLM(path)
-        graphs = llm.llm_engine.engine_core.executor.runner.graphs
-        captured = bool(graphs.sampling_graphs)
-        if not in_graph:
-            graphs.sampling_graphs.clear()
-        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        llm.close()
+    captured, tokens, replays = _with_and_without_graphs(
+        path, prompts, params, "sampling_graphs", "replay_and_sample"
+    )
     ok = captured and tokens[0] == tokens[1]
     mismatched = [i for i, (a, b) in enumerate(zip(*tokens, strict=True)) if a != b]
-    RESULTS["graph_sampling"] = {"ok": ok, "captured": captured, "mismatched_prompts": mismatched}
+    RESULTS["graph_sampling"] = {
+        "ok": ok, "captured": captured, "replays": replays, "mismatched_prompts": mismatched
+    }  # fmt: skip
     log(f"{'PASS' if ok else 'FAIL'} sampling inside the decode graphs: mismatched prompts {mismatched}")
     return ok
 
@@ -289,25 +314,9 @@ def masked_graph_sampling_checks() -> bool:
         for i in range(6)
     ] + [SamplingParams(temperature=0.8, seed=20 + i, max_tokens=40, ignore_eos=True) for i in range(3)]
     prompts = ["data", "hello", "world"] * 3
-    tokens, used = [], []
-    for in_graph in (True, False):
-        llm = LLM(path)
-        graphs = llm.llm_engine.engine_core.executor.runner.graphs
-        captured = bool(graphs.masked_sampling_graphs)
-        if not in_graph:
-            graphs.masked_sampling_graphs.clear()
-        replays = 0
-        replay = graphs.replay_masked_sampling
-
-        def counted(batch_size, _replay=replay):
-            nonlocal replays
-            replays += 1
-            return _replay(batch_size)
-
-        graphs.replay_masked_sampling = counted
-        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        used.append(replays)
-        llm.close()
+    captured, tokens, used = _with_and_without_graphs(
+        path, prompts, params, "masked_sampling_graphs", "replay_masked_sampling"
+    )
     ok = captured and used[0] >= 10 and used[1] == 0 and tokens[0] == tokens[1]
     mismatched = [i for i, (a, b) in enumerate(zip(*tokens, strict=True)) if a != b]
     RESULTS["masked_graph_sampling"] = {
