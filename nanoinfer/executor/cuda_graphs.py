@@ -129,12 +129,17 @@ class CudaGraphs:
         self.output[:bs] = self.model(b.input_ids[:bs], b.positions[:bs], meta)
 
     def _forward_and_sample(self, bs: int, meta: AttentionMetadata) -> None:
-        from nanoinfer.kernels.triton_sampling import gumbel_sample
-
-        b, s = self.buffers, self.sampling
+        b = self.buffers
         logits = self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta))
         if self.logits is None:  # the first (eager) run of the largest batch size
             self._allocate_mask_inputs(logits)
+        self._sample_into_tokens(logits, bs)
+
+    def _sample_into_tokens(self, logits: torch.Tensor, bs: int) -> None:
+        """Gumbel-max (argmax at temperature 0) of ``bs`` logits rows into ``tokens``."""
+        from nanoinfer.kernels.triton_sampling import gumbel_sample
+
+        s = self.sampling
         gumbel_sample(logits, s.temperature[:bs], s.seeds[:bs], s.offsets[:bs], out=self.tokens[:bs])
 
     def _allocate_mask_inputs(self, logits: torch.Tensor) -> None:
@@ -145,24 +150,20 @@ class CudaGraphs:
         self.mask_rows = torch.zeros(rows, dtype=torch.int64, device=device)
 
     def _mask_and_sample(self, bs: int) -> None:
-        from nanoinfer.kernels.triton_sampling import gumbel_sample
         from nanoinfer.structured.triton_bitmask import apply_token_bitmask
 
-        s = self.sampling
         logits = self.logits[:bs]
         apply_token_bitmask(logits, self.mask[:bs], self.mask_rows[:bs])
-        gumbel_sample(logits, s.temperature[:bs], s.seeds[:bs], s.offsets[:bs], out=self.tokens[:bs])
+        self._sample_into_tokens(logits, bs)
 
     def load_mask(self, num_rows: int, logits_rows: torch.Tensor | None) -> None:
         """The next masked sampling replay's bitmask: ``mask[:num_rows]`` is already written (by the
         caller's copy), row i for logits row ``logits_rows[i]`` (a device tensor); later rows are reset
-        to allow every token."""
+        to allow every token (then the logits row they name, any row of the buffer, is left as it is)."""
         if num_rows:
             self.mask_rows[:num_rows].copy_(logits_rows)
-        in_use = self._mask_rows_in_use
-        if num_rows < in_use:
-            self.mask[num_rows:in_use].fill_(-1)
-            self.mask_rows[num_rows:in_use].zero_()
+        if num_rows < self._mask_rows_in_use:
+            self.mask[num_rows : self._mask_rows_in_use].fill_(-1)
         self._mask_rows_in_use = num_rows
 
     def replay_masked_sampling(self, batch_size: int) -> torch.Tensor:
