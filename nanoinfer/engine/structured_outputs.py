@@ -61,17 +61,16 @@ class GrammarBitmask:
         device: the buffer is pinned on CUDA, and is refilled only after the upload event (see
         :meth:`StructuredOutputManager._take_buffer`)."""
         on_cuda = device.type == "cuda"
-        if out is not None:
-            masks = out[: self.bitmask.shape[0]]
-            masks.copy_(self.bitmask, non_blocking=on_cuda)
-        elif on_cuda:
+        if out is None:
+            if not on_cuda:
+                return self.bitmask
             masks = self.bitmask.to(device, non_blocking=True)
         else:
-            return self.bitmask
-        if not on_cuda:
-            return masks
-        self.upload_event.record()
-        self.uploaded = True
+            masks = out[: self.bitmask.shape[0]]
+            masks.copy_(self.bitmask, non_blocking=on_cuda)
+        if on_cuda:
+            self.upload_event.record()
+            self.uploaded = True
         return masks
 
 
