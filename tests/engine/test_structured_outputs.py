@@ -245,15 +245,23 @@ def _record_async_order(core, prepared: list, sampled_after: list[int]) -> None:
     executor.prepare, executor.sample = logged_prepare, logged_sample
 
 
-def test_async_scheduling_samples_a_constrained_step_after_preparing_the_next_and_the_same_tokens(tiny_qwen3):
-    """With async scheduling a constrained step's bitmask is filled and its sampling launched after the
-    next step has been prepared (right before that step is launched); seeded requests sample the same
-    tokens as without async scheduling."""
+MIXED_KINDS = ["json", "regex", "grammar", "json"]
+
+
+def _seeded_mixed_batch() -> tuple[list[str], list[SamplingParams]]:
+    """Seeded constrained requests of each kind in MIXED_KINDS, then one unconstrained."""
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=CHECKS[kind][0])
-        for i, kind in enumerate(["json", "regex", "grammar", "json"])
+        for i, kind in enumerate(MIXED_KINDS)
     ] + [SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True)]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    return [PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params
+
+
+def test_async_scheduling_samples_a_constrained_step_after_preparing_the_next_and_the_same_tokens(tiny_qwen3):
+    """With async scheduling a constrained step's sampling is launched after the next step has been
+    prepared (right before that step is launched); seeded requests sample the same tokens as without
+    async scheduling."""
+    prompts, params = _seeded_mixed_batch()
     token_ids = {}
     prepared: list[object] = []  # the SchedulerOutput of every prepared step, in order
     sampled_after: list[int] = []  # per deferred sampling: how many steps were prepared after its own
@@ -285,12 +293,7 @@ def test_async_grammars_advance_and_bitmask_fills_on_a_worker_while_its_step_lau
     from nanoinfer.structured.backend import LLGuidanceGrammar
     from nanoinfer.structured.xgrammar_backend import XGrammarGrammar
 
-    kinds = ["json", "regex", "grammar", "json"]
-    params = [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=CHECKS[kind][0])
-        for i, kind in enumerate(kinds)
-    ] + [SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True)]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    prompts, params = _seeded_mixed_batch()
     sync = LLM(tiny_qwen3, device="cpu", async_scheduling=False, max_num_seqs=8)
     try:
         expected = [o.outputs[0].token_ids for o in sync.generate(prompts, params, use_tqdm=False)]
@@ -348,7 +351,7 @@ def test_async_grammars_advance_and_bitmask_fills_on_a_worker_while_its_step_lau
         core.executor.launch = logged_launch
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
-        for output, kind in zip(outputs, kinds, strict=False):
+        for output, kind in zip(outputs, MIXED_KINDS, strict=False):
             if output.outputs[0].finish_reason == "stop":
                 CHECKS[kind][1](output.outputs[0].text)
         assert len(launched_filling) >= 20 and all(launched_filling), launched_filling
