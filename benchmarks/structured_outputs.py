@@ -83,6 +83,7 @@ def _model(args: argparse.Namespace, scratch: str) -> str:
 
 def _phase_targets(llm: LLM) -> list:
     """``--profile``: the host phases of the engine's loop, as ``timed_calls`` targets."""
+    import nanoinfer.engine.structured_outputs as structured_outputs
     import nanoinfer.structured.triton_bitmask as triton_bitmask
     from nanoinfer.engine.structured_outputs import GrammarBitmask, PendingBitmask
     from nanoinfer.executor.model_runner import StepHandle
@@ -118,9 +119,11 @@ def _phase_targets(llm: LLM) -> list:
         (core.executor, "launch", "launch forward"),
         (core.executor, "sample", "launch deferred sampling"),
         (core.structured_outputs, "bitmask", "fill bitmask (engine thread)"),
-        (core.scheduler, "advance_grammars", "advance grammars (before launch)"),
-        (core.structured_outputs, "start_bitmask", "start fill (worker)"),
-        (PendingBitmask, "result", "wait for the worker's fill"),
+        (core.structured_outputs, "feed", "feed grammars (engine thread)"),
+        (structured_outputs, "_feed_all", "feed grammars (in-process)"),
+        (core.structured_outputs, "start_bitmask", "start feed + fill"),
+        (PendingBitmask, "wait_advanced", "wait for the feeding"),
+        (PendingBitmask, "result", "wait for the fill"),
         (core.scheduler, "update_from_output", "update"),
         (StepHandle, "result", "wait for tokens"),
     ]

@@ -89,6 +89,9 @@ class EngineConfig:
     # Schedule and prepare step n+1 while the device runs step n. None: on for CUDA, off on the CPU
     # (where it gains nothing; it works there too, with the same tokens).
     async_scheduling: bool | None = None
+    # Constrained requests' grammars in a process of their own, beside the engine's thread (see
+    # engine/grammar_process.py). None: on for CUDA, off on the CPU (where both would share its cores).
+    grammar_process: bool | None = None
     kv_cache_dtype: str = "auto"
     # CPU threads of the engine process (torch.set_num_threads when the engine starts); None: torch's
     # default, every core.
@@ -153,6 +156,8 @@ class EngineConfig:
         self.device = self._resolve_device()
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda"
+        if self.grammar_process is None:
+            self.grammar_process = self.device == "cuda"
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
         elif self.attention_backend == "triton" and self.device != "cuda":
@@ -210,8 +215,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be None or a bool, got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "grammar_process"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be None or a bool, got {getattr(self, name)!r}")
         swap = self.swap_space
         if not isinstance(swap, int | float) or isinstance(swap, bool) or not 0 <= swap < float("inf"):
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r}")

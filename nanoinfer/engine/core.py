@@ -6,8 +6,8 @@ schedules and launches step n+1, then waits for step n and turns its result into
 host's work for one step overlaps the device's for the other. Step n+1's input for a decoding request is
 step n's sampled token, which stays on the device. A request that step n finished has a row in step
 n+1 that is wasted: its token is dropped. A step with structured-outputs rows is launched with its
-sampling deferred, once step n's tokens are on the host: a worker thread feeds them to the grammars and
-fills step n+1's bitmask meanwhile; the next call schedules and prepares step n+2, then takes the
+sampling deferred, once step n's tokens are on the host: the grammar process (or a worker thread) feeds
+them to the grammars and fills step n+1's bitmask meanwhile; the next call schedules and prepares step n+2, then takes the
 bitmask and launches step n+1's sampling (see engine/structured_outputs.py).
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -122,22 +121,24 @@ class EngineCore:
                 # pass is launched and the previous step's outputs are made, instead of after them.
                 previous_result = previous[1].result()
         handle = None
+        fed = False  # the previous step's tokens are being fed with this step's fill
         if prepared is not None:
             if constrained:
-                advance = None
+                feeds = []
                 if previous_result is not None:
-                    advance = partial(self.scheduler.advance_grammars, previous[0], previous_result)
+                    feeds = self.scheduler.grammar_feeds(previous[0], previous_result)
                 grammars = self._grammars(out)
                 if grammars:
-                    self._pending_bitmask = (out, self.structured_outputs.start_bitmask(grammars, advance))
-                elif advance is not None:
-                    advance()
+                    self._pending_bitmask = (out, self.structured_outputs.start_bitmask(grammars, feeds))
+                    fed = previous_result is not None
+                elif previous_result is not None:
+                    previous[0].grammar_results = self.structured_outputs.feed(feeds)
             handle = self.executor.launch(out, prepared, defer_sampling=constrained)
             self._in_flight = (out, handle)
         if previous is None:
             return EngineCoreOutputs()
-        if previous_result is not None and self._pending_bitmask is not None:
-            self._pending_bitmask[1].wait_advanced()  # its results are what the update reads
+        if fed:
+            previous[0].grammar_results = self._pending_bitmask[1].wait_advanced()
         return self._finish_step(*previous, previous_result)
 
     def _grammars(self, out: SchedulerOutput) -> list[tuple[int, Grammar]]:
@@ -170,6 +171,8 @@ class EngineCore:
         """The outputs of a launched step (``result``: its tokens, when already taken)."""
         if result is None:
             result = handle.result()
+        if out.structured_rows and out.grammar_results is None:
+            out.grammar_results = self.structured_outputs.feed(self.scheduler.grammar_feeds(out, result))
         outputs = self.scheduler.update_from_output(out, result)
         num_sampled = sum(1 for t in result.token_ids if t >= 0)
         num_prompt = sum(r.num_tokens for r in out.scheduled if not r.samples or r.num_tokens > 1)

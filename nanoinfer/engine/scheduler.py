@@ -23,6 +23,7 @@ import numpy as np
 
 from nanoinfer.engine.kv_cache_manager import KVCacheManager
 from nanoinfer.engine.request import EngineRequest, Request, RequestStatus
+from nanoinfer.engine.structured_outputs import GrammarFeed, GrammarResult
 from nanoinfer.sample.logprobs import TokenLogprobs
 from nanoinfer.sampling_params import SamplingParams
 
@@ -66,16 +67,6 @@ class ScheduledRequest:
     # Prompt logprobs: the prompt token following each position from prompt_logprob_start on.
     prompt_logprob_targets: list[int] | None = None
     prompt_logprob_start: int = 0
-
-
-@dataclass(slots=True)
-class GrammarResult:
-    """A constrained row's sampled token fed to its grammar: ``error`` says why it was not accepted;
-    ``blocks_eos``: the grammar now allows only EOS, which the request cannot sample (see
-    ``Scheduler._grammar_blocks_eos``)."""
-
-    error: str | None = None
-    blocks_eos: bool = False
 
 
 @dataclass
@@ -334,34 +325,20 @@ class Scheduler:
                 outputs.append(output)
         return outputs
 
-    def advance_grammars(self, out: SchedulerOutput, result: RunnerOutput) -> None:
-        """Feeds the sampled tokens of a finished step's constrained rows to their grammars, ahead of
-        :meth:`update_from_output` (which then reads ``out.grammar_results`` instead of asking the
-        grammars): the next step's bitmask, made from the advanced grammars, can then start filling on
-        another thread while this step's outputs are made, without either thread asking the grammars
-        anything the other changes."""
-        grammar_results: dict[int, GrammarResult] = {}
+    def grammar_feeds(self, out: SchedulerOutput, result: RunnerOutput) -> list[GrammarFeed]:
+        """The sampled tokens of a finished step's constrained rows, to feed to their grammars before
+        :meth:`update_from_output` (which reads the results from ``out.grammar_results``): the next
+        step's bitmask, made from the advanced grammars, can then start filling elsewhere while this
+        step's outputs are made, and the scheduler never asks a grammar anything."""
+        feeds = []
         for row_index in out.structured_rows:
             request = self.requests.get(out.scheduled[row_index].request_id)
             if request is None or row_index in result.failed_rows:
                 continue
-            grammar_results[row_index] = self._feed_grammar(request, result.token_ids[row_index])
-        out.grammar_results = grammar_results
-
-    def _feed_grammar(self, request: Request, token_id: int) -> GrammarResult:
-        """``token_id``, not yet appended to the request, fed to its grammar. A failure of the grammar
-        library fails this request alone."""
-        grammar = request.grammar
-        try:
-            if not grammar.accept_token(token_id):
-                return GrammarResult(
-                    grammar.error or f"sampled token {token_id} is not allowed by structured_outputs"
-                )
             num_output = request.num_tokens + 1 - request.num_prompt_tokens
-            return GrammarResult(blocks_eos=self._grammar_blocks_eos(request, num_output))
-        except Exception as e:
-            logger.exception("request %s: its grammar failed", request.request_id)
-            return GrammarResult(f"{type(e).__name__}: {e}")
+            eos_blocked = not request.eos_token_ids or num_output < request.params.min_tokens
+            feeds.append(GrammarFeed(row_index, request.grammar, result.token_ids[row_index], eos_blocked))
+        return feeds
 
     def _apply_row(
         self,
@@ -387,7 +364,7 @@ class Scheduler:
             return self._fail(request, error)
         token_id = result.token_ids[row_index]
         if request.grammar is not None and grammar_result is None:
-            grammar_result = self._feed_grammar(request, token_id)
+            raise RuntimeError("a constrained row's token was not fed to its grammar")
         if grammar_result is not None and grammar_result.error is not None:
             return self._fail(request, grammar_result.error)
         request.append_token(token_id)
@@ -426,14 +403,6 @@ class Scheduler:
         ):
             return "length"
         return None
-
-    @staticmethod
-    def _grammar_blocks_eos(request: Request, num_output: int) -> bool:
-        """The constraint is complete and allows only EOS next, which the request (with ``num_output``
-        output tokens) cannot sample (it ignores EOS, or min_tokens still bans it): it ends here
-        instead."""
-        blocked = not request.eos_token_ids or num_output < request.params.min_tokens
-        return blocked and request.grammar.is_terminated()
 
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:
         logger.error("request %s failed: %s", request.request_id, error)

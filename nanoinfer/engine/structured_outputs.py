@@ -4,26 +4,25 @@ step's token bitmask of its constrained rows.
 The bitmask of step n+1 depends on the token step n samples, so step n+1's forward pass is launched
 with its sampling deferred. With async scheduling one call of the core (``EngineCore.step``) schedules
 and prepares step n+1, takes step n's bitmask and launches step n's sampling, and waits for step n's
-tokens; then step n's tokens are fed to the grammars (``Scheduler.advance_grammars``) and step n+1's
-bitmask is filled, while the core launches step n+1's forward pass and makes step n's outputs. On CUDA
-both run on a worker thread (:meth:`StructuredOutputManager.start_bitmask`): the feeding beside the
-forward launch (whose graph replay releases the GIL), the fill beside the rest of that launch, step
-n's outputs (and, in-process, the frontend's processing of them) and the next call's schedule and
-prepare, until the next call takes the bitmask for step n+1's sampling. Step n's outputs wait only
-for the feeding (:meth:`PendingBitmask.wait_advanced`), and the engine thread asks the grammars
-nothing while the worker runs.
+tokens; then step n's tokens are fed to the grammars (``Scheduler.grammar_feeds`` says what to feed,
+``feed_grammar`` feeds one) and step n+1's bitmask is filled, while the core launches step n+1's
+forward pass and makes step n's outputs. Step n's outputs wait only for the feeding
+(:meth:`PendingBitmask.wait_advanced`); the bitmask is taken when step n+1 samples.
 
-The grammar libraries fill without the GIL; the worker needs it to start, to feed the tokens and to
-finish, and a busy engine thread hands it over once per switch interval (5 ms by default, longer than
-a step: benchmarks/structured_backends.py --fill-threads measured a 0.6 ms fill taking 11 ms beside a
-busy thread, 1.0 ms at a 0.1 ms interval), so the interval is lowered while the worker runs. On the
-CPU (``fill_on_worker`` off) and without async scheduling both run on the engine's thread.
+Where the grammars run: on CUDA in a process of their own (``EngineConfig.grammar_process``, see
+engine/grammar_process.py: beside the engine's thread, without sharing its GIL); otherwise in the
+engine's process, on a worker thread (``fill_on_worker``) or on the engine's thread (on the CPU, and
+without async scheduling). The grammar libraries fill without the GIL; a worker thread needs it to
+start, to feed the tokens and to finish, and a busy engine thread hands it over once per switch
+interval (5 ms by default, longer than a step: benchmarks/structured_backends.py --fill-threads
+measured a 0.6 ms fill taking 11 ms beside a busy thread, 1.0 ms at a 0.1 ms interval), so the interval
+is lowered while the worker runs.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,11 +37,48 @@ from nanoinfer.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     # The grammar libraries are imported by the first constrained request only.
+    from nanoinfer.engine.grammar_process import GrammarProcess, RemoteGrammar
     from nanoinfer.structured.backend import Grammar, GrammarCompiler
+
+logger = logging.getLogger(__name__)
 
 # The GIL switch interval while the worker runs: it waits at most this long for the GIL whenever it needs
 # it back (see the module docstring).
 FILL_SWITCH_INTERVAL_S = 1e-4
+
+
+@dataclass(slots=True)
+class GrammarResult:
+    """A constrained row's sampled token fed to its grammar: ``error`` says why it was not accepted;
+    ``blocks_eos``: the grammar now allows only EOS, which the request cannot sample (see
+    ``GrammarFeed.eos_blocked``)."""
+
+    error: str | None = None
+    blocks_eos: bool = False
+
+
+@dataclass(slots=True)
+class GrammarFeed:
+    """A constrained row's sampled token, to feed to its grammar (``Scheduler.grammar_feeds``)."""
+
+    row: int  # index into SchedulerOutput.scheduled
+    grammar: Grammar | RemoteGrammar
+    token_id: int
+    # The request cannot sample EOS next (it ignores EOS, or min_tokens still bans it): if the grammar
+    # then allows only EOS, the request ends here instead.
+    eos_blocked: bool
+
+
+def feed_grammar(grammar: Grammar, token_id: int, eos_blocked: bool) -> GrammarResult:
+    """``token_id`` fed to ``grammar``; a failure of the grammar library is that row's error alone."""
+    try:
+        if not grammar.accept_token(token_id):
+            error = grammar.error or f"sampled token {token_id} is not allowed by structured_outputs"
+            return GrammarResult(error)
+        return GrammarResult(blocks_eos=eos_blocked and grammar.is_terminated())
+    except Exception as e:
+        logger.exception("a grammar failed on token %d", token_id)
+        return GrammarResult(f"{type(e).__name__}: {e}")
 
 
 @dataclass
@@ -75,27 +111,30 @@ class GrammarBitmask:
 
 
 class StructuredOutputManager:
-    """Compiles constraints into matchers and fills bitmasks. The grammar compiler (llguidance's token
-    trie, and for JSON xgrammar's tokenizer info: together about a second and a half for a 150k
-    vocabulary) is built by the first constrained request, so that engines that never see one never
-    pay for it."""
+    """Compiles constraints into matchers, feeds them and fills bitmasks. The grammar compiler
+    (llguidance's token trie, and for JSON xgrammar's tokenizer info: together about a second and a
+    half for a 150k vocabulary), or the grammar process, is built by the first constrained request, so
+    that engines that never see one never pay for it."""
 
     def __init__(self, config: EngineConfig, tokenizer: Callable[[], Any]):
         self._config = config
         self._tokenizer = tokenizer
         self._compiler: GrammarCompiler | None = None
+        self._process: GrammarProcess | None = None
+        self._next_key = 0  # the grammar process's grammars (unique across its restarts)
         self._buffer: torch.Tensor | None = None
         self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
         self._upload_event: torch.cuda.Event | None = None
-        # The worker pays where the forward pass leaves the host's cores free (CUDA); on the CPU the
-        # fill would compete with the forward pass for them, and a 16-row fill takes well under 0.1 ms
-        # (benchmarks/structured_outputs.py --device cpu: ratio 0.75-0.77 with it, 0.78-0.85 without).
-        self.fill_on_worker = config.device == "cuda"
+        # In the engine's process, the worker pays where the forward pass leaves the host's cores free
+        # (CUDA); on the CPU the fill would compete with the forward pass for them, and a 16-row fill
+        # takes well under 0.1 ms (benchmarks/structured_outputs.py --device cpu: ratio 0.75-0.77 with
+        # it, 0.78-0.85 without).
+        self.fill_on_worker = config.device == "cuda" and not config.grammar_process
         self._worker: ThreadPoolExecutor | None = None
         self._pending: PendingBitmask | None = None
         self._switch_interval = sys.getswitchinterval()  # restored when the pending fill is taken
         # For the structured-outputs benchmark: time spent filling bitmasks, and waiting for a fill that
-        # ran on the worker.
+        # ran on the worker or in the grammar process.
         self.num_mask_steps = 0
         self.mask_seconds = 0.0
         self.mask_wait_seconds = 0.0
@@ -112,67 +151,111 @@ class StructuredOutputManager:
             )
         return self._compiler
 
-    def compile(self, params: StructuredOutputsParams) -> Grammar:
-        """A fresh matcher; ValueError naming the field when the constraint is invalid."""
-        return self.compiler.compile(params)
+    def _grammar_process(self) -> GrammarProcess:
+        if self._process is None or not self._process.alive:
+            from nanoinfer.engine.grammar_process import GrammarProcess
 
-    def bitmask(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
-        """The bitmask of (scheduled row, matcher) pairs, filled now on the grammar libraries' threads."""
+            self.finish_pending()
+            if self._process is not None:
+                self._process.close()
+            self._process = GrammarProcess(self._config, self._config.max_num_seqs)
+            self._buffer, self._last = self._process.bitmask, None
+        return self._process
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar | RemoteGrammar:
+        """A fresh matcher (in the grammar process: its handle); ValueError naming the field when the
+        constraint is invalid."""
+        if not self._config.grammar_process:
+            return self.compiler.compile(params)
+        self.finish_pending()  # the pipe carries one exchange at a time
+        process = self._grammar_process()
+        self._next_key += 1
+        return process.compile(self._next_key, params)
+
+    def feed(self, feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
+        """Each feed's result by row, fed now."""
         self.finish_pending()
+        if not feeds:
+            return {}
+        if self._config.grammar_process:
+            process = self._grammar_process()
+            process.send_step(feeds, [])
+            return process.receive_results(feeds)
+        return _feed_all(feeds)
+
+    def bitmask(self, grammars: list[tuple[int, Grammar | RemoteGrammar]]) -> GrammarBitmask:
+        """The bitmask of (scheduled row, matcher) pairs, filled now."""
+        self.finish_pending()
+        if self._config.grammar_process:
+            return self._start_in_process(grammars, []).result()
         return self._fill(self._take_buffer(grammars), grammars)
 
     def start_bitmask(
-        self, grammars: list[tuple[int, Grammar]], advance: Callable[[], None] | None = None
+        self, grammars: list[tuple[int, Grammar | RemoteGrammar]], feeds: list[GrammarFeed]
     ) -> PendingBitmask:
-        """Starts filling the bitmask of (scheduled row, matcher) pairs on the worker thread, after
-        ``advance`` (which feeds the matchers their latest tokens), and returns at once; with
-        ``fill_on_worker`` off, runs both first. Until :meth:`PendingBitmask.result`, the caller must
-        not ask these matchers anything, nor read what ``advance`` writes before
-        :meth:`PendingBitmask.wait_advanced`."""
+        """Starts feeding ``feeds`` (the matchers' latest tokens), then filling the bitmask of (scheduled
+        row, matcher) pairs, in the grammar process or on the worker thread, and returns at once; with
+        neither, does both first. Until :meth:`PendingBitmask.result`, the caller must not ask these
+        matchers anything."""
         self.finish_pending()
+        if self._config.grammar_process:
+            return self._start_in_process(grammars, feeds)
         result = self._take_buffer(grammars)
         if not self.fill_on_worker:
-            done = PendingBitmask(self, None)
-            done._future.set_result(self._advance_and_fill(result, grammars, advance, None))
-            return done
+            results = _feed_all(feeds)
+            return PendingBitmask.done(self, results, self._fill(result, grammars))
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoinfer-bitmask")
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, FILL_SWITCH_INTERVAL_S))
-        pending = PendingBitmask(self, threading.Event())
-        pending._future = self._worker.submit(self._advance_and_fill, result, grammars, advance, pending)
-        self._pending = pending
-        return pending
+        results: Future[dict[int, GrammarResult]] = Future()
+        bitmask = self._worker.submit(self._feed_and_fill, result, grammars, feeds, results)
+        self._pending = PendingBitmask(self, results.result, bitmask.result, restores_interval=True)
+        return self._pending
 
-    def _advance_and_fill(
+    def _start_in_process(
+        self, grammars: list[tuple[int, RemoteGrammar]], feeds: list[GrammarFeed]
+    ) -> PendingBitmask:
+        process = self._grammar_process()  # first: a restarted process brings its own buffer
+        result = self._take_buffer(grammars)
+        process.send_step(feeds, [grammar for _, grammar in grammars])
+
+        def filled() -> GrammarBitmask:
+            if not grammars:
+                return result
+            self.mask_seconds += process.receive_fill(len(grammars))
+            self.num_mask_steps += 1
+            return result
+
+        self._pending = PendingBitmask(self, lambda: process.receive_results(feeds), filled)
+        return self._pending
+
+    def _feed_and_fill(
         self,
         result: GrammarBitmask,
         grammars: list[tuple[int, Grammar]],
-        advance: Callable[[], None] | None,
-        pending: PendingBitmask | None,
+        feeds: list[GrammarFeed],
+        results: Future[dict[int, GrammarResult]],
     ) -> GrammarBitmask:
         try:
-            if advance is not None:
-                advance()
+            results.set_result(_feed_all(feeds))
         except BaseException as e:
-            if pending is not None:
-                pending.advance_error = e
+            results.set_exception(e)
             raise
-        finally:
-            if pending is not None:
-                pending.advanced.set()
         return self._fill(result, grammars)
 
     def finish_pending(self) -> None:
-        """Waits for the fill in flight, if any (its buffer is about to be reused, or the engine stops)."""
+        """Waits for the feeding and fill in flight, if any (the buffer or the pipe is about to be reused,
+        or the engine stops)."""
         if self._pending is not None:
             self._pending.result()
 
     def _finished(self, pending: PendingBitmask, waited_s: float) -> None:
         if pending is self._pending:
             self._pending = None
-            sys.setswitchinterval(self._switch_interval)
-            self.mask_wait_seconds += waited_s
+            if pending.restores_interval:
+                sys.setswitchinterval(self._switch_interval)
+        self.mask_wait_seconds += waited_s
 
     def _fill(self, result: GrammarBitmask, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
         started = time.perf_counter()
@@ -186,8 +269,11 @@ class StructuredOutputManager:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+        if self._process is not None:
+            self._process.close()
+            self._process = None
 
-    def _take_buffer(self, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
+    def _take_buffer(self, grammars: list[tuple[int, Any]]) -> GrammarBitmask:
         """The next bitmask, in the one buffer. Its previous bitmask's copy to the GPU came before the
         sampling whose tokens advanced these matchers, so the wait is for a finished copy."""
         from nanoinfer.structured.backend import allocate_token_bitmask
@@ -199,7 +285,7 @@ class StructuredOutputManager:
         if self._buffer is None or self._buffer.shape[0] < num_rows:
             self._buffer = allocate_token_bitmask(
                 max(num_rows, self._config.max_num_seqs),
-                self.compiler.vocab_size,
+                self._config.hf_config.vocab_size,
                 pin_memory=self._config.device == "cuda",
             )
         if self._upload_event is None and self._config.device == "cuda":
@@ -208,29 +294,61 @@ class StructuredOutputManager:
         return self._last
 
 
+def _feed_all(feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
+    return {feed.row: feed_grammar(feed.grammar, feed.token_id, feed.eos_blocked) for feed in feeds}
+
+
 class PendingBitmask:
-    """A bitmask being filled on the manager's worker thread (``StructuredOutputManager.start_bitmask``)."""
+    """A step's feeding and bitmask fill, running on the manager's worker thread or in the grammar
+    process (``StructuredOutputManager.start_bitmask``), or done."""
 
-    def __init__(self, manager: StructuredOutputManager, advanced: threading.Event | None):
+    def __init__(
+        self,
+        manager: StructuredOutputManager,
+        wait_results: Callable[[], dict[int, GrammarResult]],
+        wait_bitmask: Callable[[], GrammarBitmask],
+        restores_interval: bool = False,
+    ):
         self._manager = manager
-        self._future: Future[GrammarBitmask] = Future()  # the worker's, once submitted
-        self.advanced = advanced  # set once the matchers have been fed (None: fed before it was made)
-        self.advance_error: BaseException | None = None
+        self._wait_results = wait_results
+        self._wait_bitmask = wait_bitmask
+        self.restores_interval = restores_interval  # the worker lowered the switch interval
+        self._results: dict[int, GrammarResult] | None = None
+        self._bitmask: GrammarBitmask | None = None
+        self._error: BaseException | None = None
 
-    def wait_advanced(self) -> None:
-        """Waits until the ``advance`` given to ``start_bitmask`` has run; re-raises what it raised."""
-        if self.advanced is None:
-            return
-        started = time.perf_counter()
-        self.advanced.wait()
-        self._manager.mask_wait_seconds += time.perf_counter() - started
-        if self.advance_error is not None:
-            raise self.advance_error
+    @classmethod
+    def done(
+        cls, manager: StructuredOutputManager, results: dict[int, GrammarResult], bitmask: GrammarBitmask
+    ) -> PendingBitmask:
+        pending = cls(manager, lambda: results, lambda: bitmask)
+        pending._results, pending._bitmask = results, bitmask
+        return pending
+
+    def wait_advanced(self) -> dict[int, GrammarResult]:
+        """The feeds' results by row, after waiting for them; re-raises what the feeding raised."""
+        if self._results is None:
+            started = time.perf_counter()
+            try:
+                self._results = self._wait_results()
+            finally:
+                self._manager.mask_wait_seconds += time.perf_counter() - started
+        return self._results
 
     def result(self) -> GrammarBitmask:
-        """The filled bitmask, after waiting for the worker; re-raises what the fill raised."""
-        started = time.perf_counter()
+        """The filled bitmask, after waiting for it; re-raises what the feeding or the fill raised."""
+        if self._bitmask is not None:
+            return self._bitmask
+        if self._error is not None:
+            raise self._error
+        started = None
         try:
-            return self._future.result()
+            self.wait_advanced()  # the process's replies come in order
+            started = time.perf_counter()
+            self._bitmask = self._wait_bitmask()
+            return self._bitmask
+        except BaseException as e:
+            self._error = e
+            raise
         finally:
-            self._manager._finished(self, time.perf_counter() - started)
+            self._manager._finished(self, time.perf_counter() - started if started is not None else 0.0)

@@ -1,0 +1,234 @@
+"""Constrained requests' grammars in a process of their own (``EngineConfig.grammar_process``, on for CUDA).
+
+Feeding a step's tokens to 64 grammars and filling their next bitmask takes about a millisecond of host
+time per step (H200 host, benchmarks/structured_outputs.py). On a thread of the engine's process, every
+part of it that holds the GIL (each accepted token is a call into the grammar library that holds it, and
+so is the fill's Python around xgrammar's threads) waits for the engine thread's Python or makes it
+wait: on a worker thread (run 39) the engine thread's constrained step took 2.7 ms against 1.5 for the
+same batch unconstrained. Here the grammars have an interpreter of their own: the engine sends each step
+the tokens to feed and the rows to fill, and the mask arrives in shared memory (pinned on CUDA, so that
+its copy to the device is asynchronous).
+
+One pipe, used by the engine's thread alone, carries pickled tuples:
+
+- ``("compile", released, key, params)``: compile ``params`` as grammar ``key``; the reply is None, or
+  the error's message (which the engine raises as ValueError).
+- ``("step", released, feeds, fills)``: feed (key, token, eos_blocked) triples (see
+  ``structured_outputs.feed_grammar``), reply with their GrammarResults; then, when ``fills`` (keys)
+  is not empty, fill row i of the shared bitmask for ``fills[i]`` and reply with the fill's seconds.
+
+``released``: the keys of grammars whose requests are gone (their handles were collected). If the
+process dies, the requests whose grammars it held fail with an error, and the next constrained request
+starts another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.multiprocessing as mp
+
+from nanoinfer.config import EngineConfig
+
+if TYPE_CHECKING:
+    from nanoinfer.engine.structured_outputs import GrammarFeed, GrammarResult
+    from nanoinfer.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# How long the engine waits for the process to load the tokenizer and build the grammar compiler (about
+# 2-4 s for a 150k vocabulary, most of it importing torch and transformers).
+START_TIMEOUT_S = 120.0
+
+
+class RemoteGrammar:
+    """The engine's handle of a grammar that lives in the grammar process: its key. When the handle is
+    collected (its request is gone), the key is queued for the process to drop."""
+
+    __slots__ = ("key", "_released")
+
+    def __init__(self, key: int, released: list[int]):
+        self.key = key
+        self._released = released
+
+    def __del__(self) -> None:
+        self._released.append(self.key)
+
+
+class GrammarProcessExited(RuntimeError):
+    pass
+
+
+class GrammarProcess:
+    """The engine's side of the grammar process: started by the first constrained request."""
+
+    def __init__(self, config: EngineConfig, num_rows: int):
+        from nanoinfer.structured.backend import allocate_token_bitmask
+
+        self._on_cuda = config.device == "cuda"
+        self.bitmask = allocate_token_bitmask(num_rows, config.hf_config.vocab_size).share_memory_()
+        self._pinned = False
+        if self._on_cuda:
+            status = torch.cuda.cudart().cudaHostRegister(
+                self.bitmask.data_ptr(), self.bitmask.numel() * self.bitmask.element_size(), 0
+            )
+            self._pinned = int(status) == 0
+            if not self._pinned:
+                logger.warning("the grammar bitmask could not be pinned (%s): its copies will wait", status)
+        context = mp.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=serve, args=(child_conn, config, self.bitmask), name="nanoinfer-grammars", daemon=True
+        )
+        self._process.start()
+        child_conn.close()
+        self._released: list[int] = []
+        self.alive = True
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.close()
+            raise RuntimeError(f"the grammar process did not start within {START_TIMEOUT_S:.0f} s")
+        status, payload = self._receive()
+        if status != "ready":
+            self.close()
+            raise RuntimeError(f"the grammar process failed to start: {payload}")
+        self.eos_token_ids: tuple[int, ...] = payload
+
+    def compile(self, key: int, params: StructuredOutputsParams) -> RemoteGrammar:
+        """Grammar ``key`` of ``params``; ValueError with the compiler's message when it is invalid."""
+        self._send(("compile", self._take_released(), key, params))
+        error = self._receive()
+        if error is not None:
+            raise ValueError(error)
+        return RemoteGrammar(key, self._released)
+
+    def send_step(self, feeds: Sequence[GrammarFeed], fills: Sequence[RemoteGrammar]) -> None:
+        """Sends a step's feeds and fills; :meth:`receive_results` then :meth:`receive_fill` (when there
+        are fills) take the replies. A dead process answers every feed with an error and fills EOS."""
+        message = (
+            "step",
+            self._take_released(),
+            [(feed.grammar.key, feed.token_id, feed.eos_blocked) for feed in feeds],
+            [grammar.key for grammar in fills],
+        )
+        with contextlib.suppress(GrammarProcessExited):
+            self._send(message)
+
+    def receive_results(self, feeds: Sequence[GrammarFeed]) -> dict[int, GrammarResult]:
+        from nanoinfer.engine.structured_outputs import GrammarResult
+
+        try:
+            results = self._receive()
+        except GrammarProcessExited as e:
+            return {feed.row: GrammarResult(str(e)) for feed in feeds}
+        return {feed.row: result for feed, result in zip(feeds, results, strict=True)}
+
+    def receive_fill(self, num_rows: int) -> float:
+        """Waits until the rows are filled; returns the fill's seconds in the process."""
+        try:
+            return self._receive()
+        except GrammarProcessExited:
+            from nanoinfer.structured.backend import set_only
+
+            for row in range(num_rows):
+                set_only(self.bitmask, row, self.eos_token_ids)
+            return 0.0
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._conn.close()
+            finally:
+                self._process.join(timeout=5)
+                if self._process.is_alive():
+                    self._process.kill()
+                    self._process.join()
+        self.alive = False
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bitmask.data_ptr())
+            self._pinned = False
+
+    def _take_released(self) -> list[int]:
+        # RemoteGrammar.__del__ may append from any thread: take what is there, atomically per item.
+        released = []
+        while self._released:
+            released.append(self._released.pop())
+        return released
+
+    def _send(self, message: tuple) -> None:
+        if not self.alive:
+            raise GrammarProcessExited("the grammar process has exited")
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, OSError) as e:
+            self._exited()
+            raise GrammarProcessExited(f"the grammar process has exited ({type(e).__name__})") from e
+
+    def _receive(self) -> Any:
+        if not self.alive:
+            raise GrammarProcessExited("the grammar process has exited")
+        try:
+            return self._conn.recv()
+        except (EOFError, ConnectionResetError, OSError) as e:
+            self._exited()
+            raise GrammarProcessExited(f"the grammar process has exited ({type(e).__name__})") from e
+
+    def _exited(self) -> None:
+        self.alive = False
+        self._process.join(timeout=5)
+        logger.error("the grammar process exited (exit code %s)", self._process.exitcode)
+
+
+def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor) -> None:
+    """The grammar process's loop (see the module docstring)."""
+    from nanoinfer.engine.request import engine_eos_token_ids
+    from nanoinfer.engine.structured_outputs import GrammarResult, feed_grammar
+    from nanoinfer.models.checkpoint import load_tokenizer
+    from nanoinfer.structured.backend import GrammarCompiler, set_only
+
+    torch.set_num_threads(1)
+    try:
+        tokenizer = load_tokenizer(config.model, config.tokenizer)
+        eos_token_ids = engine_eos_token_ids(config, tokenizer)
+        compiler = GrammarCompiler(tokenizer, config.hf_config.vocab_size, eos_token_ids)
+    except Exception as e:  # noqa: BLE001 (reported to the engine, which raises it)
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", eos_token_ids))
+    grammars: dict[int, Any] = {}
+    lost = GrammarResult("structured_outputs: the request's grammar was lost (the grammar process restarted)")
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the engine has closed the pipe, or exited
+        for key in message[1]:
+            grammars.pop(key, None)
+        if message[0] == "compile":
+            _, _, key, params = message
+            try:
+                grammars[key] = compiler.compile(params)
+            except Exception as e:  # noqa: BLE001 (the request's own fault: it fails alone)
+                conn.send(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+            else:
+                conn.send(None)
+        else:
+            _, _, feeds, fills = message
+            conn.send(
+                [
+                    feed_grammar(grammars[key], token_id, eos_blocked) if key in grammars else lost
+                    for key, token_id, eos_blocked in feeds
+                ]
+            )
+            if fills:
+                started = time.perf_counter()
+                known = [(grammars[key], row) for row, key in enumerate(fills) if key in grammars]
+                compiler.fill_bitmasks(known, bitmask[: len(fills)])
+                for row, key in enumerate(fills):
+                    if key not in grammars:
+                        set_only(bitmask, row, eos_token_ids)
+                conn.send(time.perf_counter() - started)
