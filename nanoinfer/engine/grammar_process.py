@@ -13,9 +13,11 @@ One pipe, used by the engine's thread alone, carries pickled tuples:
 
 - ``("compile", released, key, params)``: compile ``params`` as grammar ``key``; the reply is None, or
   the error's message (which the engine raises as ValueError).
-- ``("step", released, feeds, fills)``: feed (key, token, eos_blocked) triples (see
-  ``structured_outputs.feed_grammar``), reply with their GrammarResults; then, when ``fills`` (keys)
-  is not empty, fill row i of the shared bitmask for ``fills[i]`` and reply with the fill's seconds.
+- ``("step", released, keys, token_ids, eos_blocked, fills)``: feed grammar ``keys[i]`` its token
+  (see ``structured_outputs.feed_grammar``), reply with the results that are not a plain acceptance,
+  as {i: (error, blocks_eos)} (pickling one object per row would cost the engine's thread more than
+  the feeding); then, when ``fills`` (keys) is not empty, fill row i of the shared bitmask for
+  ``fills[i]`` and reply with the fill's seconds.
 
 ``released``: the keys of grammars whose requests are gone (their handles were collected). If the
 process dies, the requests whose grammars it held fail with an error, and the next constrained request
@@ -112,20 +114,25 @@ class GrammarProcess:
         message = (
             "step",
             self._take_released(),
-            [(feed.grammar.key, feed.token_id, feed.eos_blocked) for feed in feeds],
+            [feed.grammar.key for feed in feeds],
+            [feed.token_id for feed in feeds],
+            [feed.eos_blocked for feed in feeds],
             [grammar.key for grammar in fills],
         )
         with contextlib.suppress(GrammarProcessExited):
             self._send(message)
 
     def receive_results(self, feeds: Sequence[GrammarFeed]) -> dict[int, GrammarResult]:
-        from nanoinfer.engine.structured_outputs import GrammarResult
+        from nanoinfer.engine.structured_outputs import ACCEPTED, GrammarResult
 
         try:
-            results = self._receive()
+            unusual = self._receive()
         except GrammarProcessExited as e:
             return {feed.row: GrammarResult(str(e)) for feed in feeds}
-        return {feed.row: result for feed, result in zip(feeds, results, strict=True)}
+        results = {feed.row: ACCEPTED for feed in feeds}
+        for i, (error, blocks_eos) in unusual.items():
+            results[feeds[i].row] = GrammarResult(error, blocks_eos)
+        return results
 
     def receive_fill(self, num_rows: int) -> float:
         """Waits until the rows are filled; returns the fill's seconds in the process."""
@@ -186,7 +193,7 @@ class GrammarProcess:
 def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor) -> None:
     """The grammar process's loop (see the module docstring)."""
     from nanoinfer.engine.request import engine_eos_token_ids
-    from nanoinfer.engine.structured_outputs import GrammarResult, feed_grammar
+    from nanoinfer.engine.structured_outputs import ACCEPTED, GrammarResult, feed_grammar
     from nanoinfer.models.checkpoint import load_tokenizer
     from nanoinfer.structured.backend import GrammarCompiler, set_only
 
@@ -217,13 +224,14 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor) -> None:
             else:
                 conn.send(None)
         else:
-            _, _, feeds, fills = message
-            conn.send(
-                [
-                    feed_grammar(grammars[key], token_id, eos_blocked) if key in grammars else lost
-                    for key, token_id, eos_blocked in feeds
-                ]
-            )
+            _, _, keys, token_ids, eos_blocked, fills = message
+            unusual = {}
+            for i, key in enumerate(keys):
+                grammar = grammars.get(key)
+                result = lost if grammar is None else feed_grammar(grammar, token_ids[i], eos_blocked[i])
+                if result is not ACCEPTED:
+                    unusual[i] = (result.error, result.blocks_eos)
+            conn.send(unusual)
             if fills:
                 started = time.perf_counter()
                 known = [(grammars[key], row) for row, key in enumerate(fills) if key in grammars]

@@ -10,22 +10,15 @@ forward pass and makes step n's outputs. Step n's outputs wait only for the feed
 (:meth:`PendingBitmask.wait_advanced`); the bitmask is taken when step n+1 samples.
 
 Where the grammars run: on CUDA in a process of their own (``EngineConfig.grammar_process``, see
-engine/grammar_process.py: beside the engine's thread, without sharing its GIL); otherwise in the
-engine's process, on a worker thread (``fill_on_worker``) or on the engine's thread (on the CPU, and
-without async scheduling). The grammar libraries fill without the GIL; a worker thread needs it to
-start, to feed the tokens and to finish, and a busy engine thread hands it over once per switch
-interval (5 ms by default, longer than a step: benchmarks/structured_backends.py --fill-threads
-measured a 0.6 ms fill taking 11 ms beside a busy thread, 1.0 ms at a 0.1 ms interval), so the interval
-is lowered while the worker runs.
+engine/grammar_process.py), beside the engine's thread and without sharing its GIL; on the CPU on the
+engine's thread (a process there would take the cores the forward pass uses).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,10 +35,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The GIL switch interval while the worker runs: it waits at most this long for the GIL whenever it needs
-# it back (see the module docstring).
-FILL_SWITCH_INTERVAL_S = 1e-4
-
 
 @dataclass(slots=True)
 class GrammarResult:
@@ -55,6 +44,10 @@ class GrammarResult:
 
     error: str | None = None
     blocks_eos: bool = False
+
+
+# The result of nearly every row (shared: nothing changes a result once made).
+ACCEPTED = GrammarResult()
 
 
 @dataclass(slots=True)
@@ -75,7 +68,9 @@ def feed_grammar(grammar: Grammar, token_id: int, eos_blocked: bool) -> GrammarR
         if not grammar.accept_token(token_id):
             error = grammar.error or f"sampled token {token_id} is not allowed by structured_outputs"
             return GrammarResult(error)
-        return GrammarResult(blocks_eos=eos_blocked and grammar.is_terminated())
+        if eos_blocked and grammar.is_terminated():
+            return GrammarResult(blocks_eos=True)
+        return ACCEPTED
     except Exception as e:
         logger.exception("a grammar failed on token %d", token_id)
         return GrammarResult(f"{type(e).__name__}: {e}")
@@ -125,16 +120,9 @@ class StructuredOutputManager:
         self._buffer: torch.Tensor | None = None
         self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
         self._upload_event: torch.cuda.Event | None = None
-        # In the engine's process, the worker pays where the forward pass leaves the host's cores free
-        # (CUDA); on the CPU the fill would compete with the forward pass for them, and a 16-row fill
-        # takes well under 0.1 ms (benchmarks/structured_outputs.py --device cpu: ratio 0.75-0.77 with
-        # it, 0.78-0.85 without).
-        self.fill_on_worker = config.device == "cuda" and not config.grammar_process
-        self._worker: ThreadPoolExecutor | None = None
-        self._pending: PendingBitmask | None = None
-        self._switch_interval = sys.getswitchinterval()  # restored when the pending fill is taken
-        # For the structured-outputs benchmark: time spent filling bitmasks, and waiting for a fill that
-        # ran on the worker or in the grammar process.
+        self._pending: PendingBitmask | None = None  # the grammar process's exchange in flight
+        # For the structured-outputs benchmark: time spent filling bitmasks, and waiting for the grammar
+        # process.
         self.num_mask_steps = 0
         self.mask_seconds = 0.0
         self.mask_wait_seconds = 0.0
@@ -194,24 +182,12 @@ class StructuredOutputManager:
         self, grammars: list[tuple[int, Grammar | RemoteGrammar]], feeds: list[GrammarFeed]
     ) -> PendingBitmask:
         """Starts feeding ``feeds`` (the matchers' latest tokens), then filling the bitmask of (scheduled
-        row, matcher) pairs, in the grammar process or on the worker thread, and returns at once; with
-        neither, does both first. Until :meth:`PendingBitmask.result`, the caller must not ask these
-        matchers anything."""
+        row, matcher) pairs, in the grammar process, and returns at once; without it, does both first."""
         self.finish_pending()
         if self._config.grammar_process:
             return self._start_in_process(grammars, feeds)
-        result = self._take_buffer(grammars)
-        if not self.fill_on_worker:
-            results = _feed_all(feeds)
-            return PendingBitmask.done(self, results, self._fill(result, grammars))
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoinfer-bitmask")
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, FILL_SWITCH_INTERVAL_S))
-        results: Future[dict[int, GrammarResult]] = Future()
-        bitmask = self._worker.submit(self._feed_and_fill, result, grammars, feeds, results)
-        self._pending = PendingBitmask(self, results.result, bitmask.result, restores_interval=True)
-        return self._pending
+        results = _feed_all(feeds)
+        return PendingBitmask.done(self, results, self._fill(self._take_buffer(grammars), grammars))
 
     def _start_in_process(
         self, grammars: list[tuple[int, RemoteGrammar]], feeds: list[GrammarFeed]
@@ -230,31 +206,15 @@ class StructuredOutputManager:
         self._pending = PendingBitmask(self, lambda: process.receive_results(feeds), filled)
         return self._pending
 
-    def _feed_and_fill(
-        self,
-        result: GrammarBitmask,
-        grammars: list[tuple[int, Grammar]],
-        feeds: list[GrammarFeed],
-        results: Future[dict[int, GrammarResult]],
-    ) -> GrammarBitmask:
-        try:
-            results.set_result(_feed_all(feeds))
-        except BaseException as e:
-            results.set_exception(e)
-            raise
-        return self._fill(result, grammars)
-
     def finish_pending(self) -> None:
-        """Waits for the feeding and fill in flight, if any (the buffer or the pipe is about to be reused,
-        or the engine stops)."""
+        """Waits for the grammar process's feeding and fill in flight, if any (the buffer or the pipe is
+        about to be reused, or the engine stops)."""
         if self._pending is not None:
             self._pending.result()
 
     def _finished(self, pending: PendingBitmask, waited_s: float) -> None:
         if pending is self._pending:
             self._pending = None
-            if pending.restores_interval:
-                sys.setswitchinterval(self._switch_interval)
         self.mask_wait_seconds += waited_s
 
     def _fill(self, result: GrammarBitmask, grammars: list[tuple[int, Grammar]]) -> GrammarBitmask:
@@ -266,9 +226,6 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.finish_pending()
-        if self._worker is not None:
-            self._worker.shutdown()
-            self._worker = None
         if self._process is not None:
             self._process.close()
             self._process = None
@@ -299,20 +256,18 @@ def _feed_all(feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
 
 
 class PendingBitmask:
-    """A step's feeding and bitmask fill, running on the manager's worker thread or in the grammar
-    process (``StructuredOutputManager.start_bitmask``), or done."""
+    """A step's feeding and bitmask fill, running in the grammar process
+    (``StructuredOutputManager.start_bitmask``), or done."""
 
     def __init__(
         self,
         manager: StructuredOutputManager,
         wait_results: Callable[[], dict[int, GrammarResult]],
         wait_bitmask: Callable[[], GrammarBitmask],
-        restores_interval: bool = False,
     ):
         self._manager = manager
         self._wait_results = wait_results
         self._wait_bitmask = wait_bitmask
-        self.restores_interval = restores_interval  # the worker lowered the switch interval
         self._results: dict[int, GrammarResult] | None = None
         self._bitmask: GrammarBitmask | None = None
         self._error: BaseException | None = None

@@ -68,11 +68,12 @@ class CudaGraphs:
     filter, penalty or logprobs replays that one and launches nothing else.
 
     With ``sampling``, also a third graph per batch size for such a step with structured-outputs rows,
-    whose sampling waits for their bitmask: it applies the bitmask in ``mask`` (row i is the bitmask of
-    logits row ``mask_rows[i]``; rows past the step's constrained ones allow every token) to the logits
-    in ``logits`` and samples as the second one does. The step copies its logits there after the forward
-    graph, and its bitmask with :meth:`load_mask` before :meth:`replay_masked_sampling`; eagerly this
-    sampling is three Triton launches and a handful of tensor operations."""
+    whose sampling waits for their bitmask: it computes the logits of the forward graph's ``output``
+    (so the step replays the first graph and nothing else until then), applies the bitmask in ``mask``
+    (row i is the bitmask of logits row ``mask_rows[i]``; rows past the step's constrained ones allow
+    every token) and samples as the second one does. The step writes its bitmask with :meth:`load_mask`
+    before :meth:`replay_masked_sampling`; eagerly the logits and this sampling are a GEMM, three Triton
+    launches and a handful of tensor operations."""
 
     def __init__(
         self,
@@ -92,7 +93,6 @@ class CudaGraphs:
         self.output = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
         # The masked sampling graphs' inputs, allocated by capture once the logits' width is known.
-        self.logits: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None  # int32 [rows, ceil(vocab / 32)]
         self.mask_rows: torch.Tensor | None = None  # int64 [rows]
         self._mask_rows_in_use = 0  # mask rows [0, this) may allow less than every token
@@ -131,8 +131,8 @@ class CudaGraphs:
     def _forward_and_sample(self, bs: int, meta: AttentionMetadata) -> None:
         b = self.buffers
         logits = self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta))
-        if self.logits is None:  # the first (eager) run of the largest batch size
-            self._allocate_mask_inputs(logits)
+        if self.mask is None:  # the first (eager) run of the largest batch size
+            self._allocate_mask_inputs(logits.shape[1])
         self._sample_into_tokens(logits, bs)
 
     def _sample_into_tokens(self, logits: torch.Tensor, bs: int) -> None:
@@ -142,17 +142,15 @@ class CudaGraphs:
         s = self.sampling
         gumbel_sample(logits, s.temperature[:bs], s.seeds[:bs], s.offsets[:bs], out=self.tokens[:bs])
 
-    def _allocate_mask_inputs(self, logits: torch.Tensor) -> None:
-        rows, vocab_size = self.tokens.shape[0], logits.shape[1]
-        device = logits.device
-        self.logits = torch.zeros(rows, vocab_size, dtype=logits.dtype, device=device)
+    def _allocate_mask_inputs(self, vocab_size: int) -> None:
+        rows, device = self.tokens.shape[0], self.tokens.device
         self.mask = torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
         self.mask_rows = torch.zeros(rows, dtype=torch.int64, device=device)
 
     def _mask_and_sample(self, bs: int) -> None:
         from nanoinfer.structured.triton_bitmask import apply_token_bitmask
 
-        logits = self.logits[:bs]
+        logits = self.model.compute_logits(self.output[:bs])
         apply_token_bitmask(logits, self.mask[:bs], self.mask_rows[:bs])
         self._sample_into_tokens(logits, bs)
 

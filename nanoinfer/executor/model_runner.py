@@ -455,12 +455,15 @@ class ModelRunner:
             )
         if metadata is None:
             return handle
+        if defer_sampling and samples_in_graph and self.graphs.masked_sampling_graphs:
+            # The masked sampling graph computes the logits from the forward graph's output, which
+            # nothing replaces before the sampling is launched.
+            handle.deferred = (None, metadata)
+            handle.deferred_graph_bs = graph_bs
+            return handle
         logits = self._compute_logits(hidden if every_token_samples else hidden[staged["logits_index"]])
         if defer_sampling:
             handle.deferred = (logits, metadata)
-            if samples_in_graph and self.graphs.masked_sampling_graphs:
-                self.graphs.logits[: len(logits)].copy_(logits)
-                handle.deferred_graph_bs = graph_bs
         else:
             self._sample(handle, logits, metadata)
         return handle
@@ -488,8 +491,9 @@ class ModelRunner:
         self._sample(handle, logits, metadata)
 
     def _sample_in_graph(self, handle: StepHandle, graph_bs: int, bitmask: GrammarBitmask | None) -> None:
-        """A deferred pure-decode step of temperature-only rows: its logits are in the graphs' logits
-        buffer (execute copied them there), its bitmask goes to their mask buffer, one replay samples."""
+        """A deferred pure-decode step of temperature-only rows: its hidden states are in the forward
+        graph's output, its bitmask goes to the graphs' mask buffer, one replay computes the logits and
+        samples."""
         graphs = self.graphs
         if bitmask is not None and bitmask.rows:
             rows = self._logits_rows(handle, bitmask)

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 
 import pytest
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
-from nanoinfer.engine import structured_outputs
 from nanoinfer.sampling_params import RequestOutputKind
 
 SCHEMA = {
@@ -56,9 +53,20 @@ CHECKS = {
 }
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+@pytest.fixture(
+    scope="module",
+    params=[(False, False), (True, False), (True, True)],
+    ids=["sync", "async", "async-grammar-process"],
+)
 def llm(request, tiny_qwen3):
-    engine = LLM(tiny_qwen3, device="cpu", async_scheduling=request.param, max_num_seqs=16)
+    async_scheduling, grammar_process = request.param
+    engine = LLM(
+        tiny_qwen3,
+        device="cpu",
+        async_scheduling=async_scheduling,
+        grammar_process=grammar_process,
+        max_num_seqs=16,
+    )
     yield engine
     engine.close()
 
@@ -282,65 +290,29 @@ def test_async_scheduling_samples_a_constrained_step_after_preparing_the_next_an
     assert sampled_after.count(1) >= 20 and set(sampled_after) <= {0, 1}, sampled_after
 
 
-def test_async_grammars_advance_and_bitmask_fills_on_a_worker_while_its_step_launches(
-    tiny_qwen3, monkeypatch
-):
-    """With async scheduling a constrained step is launched after the previous step's tokens have been
-    taken; the worker then feeds them to the grammars and fills the step's bitmask while the step is
-    launched and the previous step's outputs are made, and the bitmask is taken when the step samples.
-    While the worker runs (slowed down here, so that a question in that window would be caught), the
-    engine thread asks no grammar anything. The outputs stay valid and the seeded tokens are those of
-    a run without async scheduling."""
+def test_the_grammar_process_feeds_and_fills_while_the_step_launches(tiny_qwen3, monkeypatch):
+    """With the grammars in their own process (the CUDA default) and async scheduling, a constrained
+    step is launched with its feeding and fill already sent to the process; the engine's process never
+    asks a grammar anything, the outputs stay valid, and the seeded tokens are those of a run without
+    async scheduling and with the grammars in the engine's process."""
     from nanoinfer.structured.backend import LLGuidanceGrammar
     from nanoinfer.structured.xgrammar_backend import XGrammarGrammar
 
     prompts, params = _seeded_mixed_batch()
-    sync = LLM(tiny_qwen3, device="cpu", async_scheduling=False, max_num_seqs=8)
-    try:
-        expected = [o.outputs[0].token_ids for o in sync.generate(prompts, params, use_tqdm=False)]
-    finally:
-        sync.close()
-
-    engine_thread = threading.get_ident()
-    working = threading.Event()
-    worker_threads: set[int] = set()
-    asked_while_working: list[str] = []
+    expected = _token_ids(tiny_qwen3, prompts, params, async_scheduling=False)
+    asked_here: list[str] = []
     for cls in (LLGuidanceGrammar, XGrammarGrammar):
         for name in ("accept_token", "fill_bitmask", "is_terminated", "is_accepting"):
             original = getattr(cls, name)
 
-            def guarded(self, *args, _original=original, _name=name):
-                if working.is_set() and threading.get_ident() == engine_thread:
-                    asked_while_working.append(_name)
+            def recorded(self, *args, _original=original, _name=name):
+                asked_here.append(_name)
                 return _original(self, *args)
 
-            monkeypatch.setattr(cls, name, guarded)
-    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, max_num_seqs=8)
+            monkeypatch.setattr(cls, name, recorded)
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, grammar_process=True, max_num_seqs=8)
     try:
         core = llm.llm_engine.engine_core
-        manager = core.structured_outputs
-        manager.fill_on_worker = True  # the CUDA default
-        feed_and_fill = manager._feed_and_fill
-        advanced_on: list[int] = []
-        feed_all = structured_outputs._feed_all
-
-        def logged_feed_all(feeds):
-            if feeds:
-                advanced_on.append(threading.get_ident())
-            return feed_all(feeds)
-
-        monkeypatch.setattr(structured_outputs, "_feed_all", logged_feed_all)
-
-        def slow_feed_and_fill(*args):
-            worker_threads.add(threading.get_ident())
-            working.set()
-            try:
-                time.sleep(0.002)
-                return feed_and_fill(*args)
-            finally:
-                working.clear()
-
-        manager._feed_and_fill = slow_feed_and_fill
         launched_filling: list[bool] = []
         launch = core.executor.launch
 
@@ -357,42 +329,54 @@ def test_async_grammars_advance_and_bitmask_fills_on_a_worker_while_its_step_lau
             if output.outputs[0].finish_reason == "stop":
                 CHECKS[kind][1](output.outputs[0].text)
         assert len(launched_filling) >= 20 and all(launched_filling), launched_filling
-        assert worker_threads and engine_thread not in worker_threads
-        # Only the tokens that no later fill waits for (the last constrained step's) are fed on the
-        # engine's thread.
-        on_worker = sum(thread in worker_threads for thread in advanced_on)
-        assert on_worker >= 20 and len(advanced_on) - on_worker <= 2, advanced_on
-        assert asked_while_working == []
+        assert asked_here == []
+        assert llm.llm_engine.stats()["structured_mask_steps"] >= 20
         _no_leak(llm)
     finally:
         llm.close()
 
 
-def test_the_worker_raises_a_failed_feeding_on_the_engine_thread_and_restores_the_switch_interval(
-    tiny_qwen3, monkeypatch
-):
-    import sys
-
-    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, max_num_seqs=4)
+def _token_ids(
+    model: str, prompts: list[str], params: list[SamplingParams], **engine_kwargs
+) -> list[list[int]]:
+    llm = LLM(model, device="cpu", max_num_seqs=8, **engine_kwargs)
     try:
-        manager = llm.llm_engine.engine_core.structured_outputs
-        manager.fill_on_worker = True
-        grammar = manager.compile(CHECKS["regex"][0])
-        interval = sys.getswitchinterval()
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.close()
 
-        def failing_feed_all(feeds):
-            raise RuntimeError("feeding failed")
 
-        with monkeypatch.context() as patch:
-            patch.setattr(structured_outputs, "_feed_all", failing_feed_all)
-            pending = manager.start_bitmask([(3, grammar)], [])
-            with pytest.raises(RuntimeError, match="feeding failed"):
-                pending.wait_advanced()
-            with pytest.raises(RuntimeError, match="feeding failed"):
-                pending.result()
-        assert sys.getswitchinterval() == interval
-        bitmask = manager.start_bitmask([(3, grammar)], []).result()
-        assert bitmask.rows == [3] and bitmask.bitmask.shape[0] == 1 and bitmask.bitmask.any()
-        assert sys.getswitchinterval() == interval
+def test_a_dead_grammar_process_fails_its_requests_alone_and_the_next_one_starts_another(tiny_qwen3):
+    """The grammar process killed mid-run: its constrained requests end with an error, the unconstrained
+    one gets the tokens it gets alone, no block leaks, and the next constrained request gets a new
+    process. An invalid constraint is the compile's ValueError."""
+    prompts, params = _seeded_mixed_batch()
+    alone = _token_ids(tiny_qwen3, prompts[-1:], params[-1:])
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, grammar_process=True, max_num_seqs=8)
+    try:
+        core = llm.llm_engine.engine_core
+        manager = core.structured_outputs
+        launch = core.executor.launch
+        launches = []
+
+        def launch_then_kill(out, prepared, defer_sampling=False):
+            launches.append(out)
+            if len(launches) == 2:  # the first decoding step: no request has ended yet
+                manager._process._process.kill()
+            return launch(out, prepared, defer_sampling)
+
+        core.executor.launch = launch_then_kill
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        core.executor.launch = launch
+        reasons = [o.outputs[0].finish_reason for o in outputs]
+        assert reasons[:-1] == ["error"] * (len(outputs) - 1), reasons
+        assert [o.outputs[0].token_ids for o in outputs[-1:]] == alone
+        _no_leak(llm)
+        regex, check = CHECKS["regex"]
+        again = llm.generate([prompts[0]], [SamplingParams(max_tokens=40, structured_outputs=regex)])
+        check(again[0].outputs[0].text)
+        with pytest.raises(ValueError, match="regex"):
+            manager.compile(StructuredOutputsParams(regex="(unclosed"))
+        _no_leak(llm)
     finally:
         llm.close()

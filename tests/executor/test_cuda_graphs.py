@@ -98,29 +98,31 @@ def test_graph_paths_sample_the_tokens_of_the_eager_engine(tiny_qwen3, async_sch
 
 
 def _masked_sampling_steps(graphs: CudaGraphs) -> None:
-    vocab_size = graphs.logits.shape[1]
-    graphs.logits[:4] = torch.randn(4, vocab_size)
+    def new_hidden_states() -> torch.Tensor:
+        # The forward graph's output, from which the masked sampling graph computes the logits.
+        graphs.output[:4] = torch.randn_like(graphs.output[:4])
+        return graphs.model.compute_logits(graphs.output[:4]).argmax(dim=-1)
+
     s = graphs.sampling
     s.temperature[:4] = 0.0  # greedy: the argmax of what the mask leaves
     only = torch.zeros(3, graphs.mask.shape[1], dtype=torch.int32)
     only[:, 0] = 1 << 5  # token 5 alone
+    free = new_hidden_states()
     graphs.mask[:3] = only
     graphs.load_mask(3, torch.tensor([2, 0, 3]))
-    free = graphs.logits[:4].argmax(dim=-1)
     assert graphs.replay_masked_sampling(4).tolist() == [5, free[1].item(), 5, 5]
-    graphs.logits[:4] = torch.randn(4, vocab_size)
+    free = new_hidden_states()
     graphs.mask[:1] = only[:1]
     graphs.load_mask(1, torch.tensor([1]))
-    free = graphs.logits[:4].argmax(dim=-1)
     assert graphs.replay_masked_sampling(4).tolist() == [
         free[0].item(),
         5,
         free[2].item(),
         free[3].item(),
     ]
-    graphs.logits[:4] = torch.randn(4, vocab_size)
+    free = new_hidden_states()
     graphs.load_mask(0, None)
-    assert graphs.replay_masked_sampling(4).tolist() == graphs.logits[:4].argmax(dim=-1).tolist()
+    assert graphs.replay_masked_sampling(4).tolist() == free.tolist()
 
 
 def test_masked_sampling_mask_rows_reset_when_fewer_rows_are_constrained(tiny_qwen3):

@@ -154,13 +154,12 @@ def test_paged_decode_matches_reference(
 
 def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
     kernels = _kernels()
-    # bf16: splits merged by a second kernel wherever the grid needs them (fewer than 3 programs per SM).
-    for batch in (8, 64, 256):
-        assert kernels.default_decode_config(batch, 8, DTYPE) is kernels.MERGE_KERNEL_DECODE
-    # FP8: capped one-warp tiles (merged by a second kernel) where the grid splits or is full.
-    assert kernels.default_decode_config(8, 8, FP8_DTYPE) is kernels.FP8_CAPPED_DECODE
+    # A grid that needs splits (fewer than 3 programs per SM): splits merged by a second kernel.
+    for dtype in (DTYPE, FP8_DTYPE):
+        assert kernels.default_decode_config(8, 8, dtype) is kernels.MERGE_KERNEL_DECODE
+    assert kernels.default_decode_config(256, 8, DTYPE) is kernels.MERGE_KERNEL_DECODE
     assert kernels.default_decode_config(64, 8, FP8_DTYPE) is kernels.FP8_DECODE
-    assert kernels.default_decode_config(256, 8, FP8_DTYPE) is kernels.FP8_CAPPED_DECODE
+    assert kernels.default_decode_config(256, 8, FP8_DTYPE) is kernels.FP8_FULL_GRID_DECODE
 
 
 def test_fused_decode_splits_short_contexts_on_the_device():
