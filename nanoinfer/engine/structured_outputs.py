@@ -9,7 +9,7 @@ tokens; then step n's tokens are fed to the grammars (``Scheduler.grammar_feeds`
 forward pass and makes step n's outputs. Step n's outputs wait only for the feeding
 (:meth:`PendingBitmask.wait_advanced`); the bitmask is taken when step n+1 samples.
 
-Where the grammars run: on CUDA in a process of their own (``EngineConfig.grammar_process``, see
+Where the grammars run: on CUDA in processes of their own (``EngineConfig.num_grammar_processes``, see
 engine/grammar_process.py), beside the engine's thread and without sharing its GIL; on the CPU on the
 engine's thread (a process there would take the cores the forward pass uses).
 """
@@ -30,7 +30,7 @@ from nanoinfer.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     # The grammar libraries are imported by the first constrained request only.
-    from nanoinfer.engine.grammar_process import GrammarProcess, RemoteGrammar
+    from nanoinfer.engine.grammar_process import GrammarProcesses, RemoteGrammar
     from nanoinfer.structured.backend import Grammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class StructuredOutputManager:
         self._config = config
         self._tokenizer = tokenizer
         self._compiler: GrammarCompiler | None = None
-        self._process: GrammarProcess | None = None
+        self._processes: GrammarProcesses | None = None
         self._next_key = 0  # the grammar process's grammars (unique across its restarts)
         self._buffer: torch.Tensor | None = None
         self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
@@ -139,43 +139,47 @@ class StructuredOutputManager:
             )
         return self._compiler
 
-    def _grammar_process(self) -> GrammarProcess:
-        if self._process is None or not self._process.alive:
-            from nanoinfer.engine.grammar_process import GrammarProcess
+    def _grammar_processes(self) -> GrammarProcesses:
+        """The grammar processes, started by the first call, and any that has exited started again."""
+        if self._processes is None:
+            from nanoinfer.engine.grammar_process import GrammarProcesses
 
-            self.finish_pending()
-            if self._process is not None:
-                self._process.close()
-            self._process = GrammarProcess(self._config, self._config.max_num_seqs)
-            self._buffer, self._last = self._process.bitmask, None
-        return self._process
+            config = self._config
+            self._processes = GrammarProcesses(config, config.max_num_seqs, config.num_grammar_processes)
+            self._buffer, self._last = self._processes.bitmask, None
+        else:
+            self._processes.restart_exited()
+        return self._processes
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """ValueError naming the field when the constraint is invalid (compiled here, in this process,
+        whichever process the requests' matchers live in)."""
+        self.compiler.compile(params)
 
     def compile(self, params: StructuredOutputsParams) -> Grammar | RemoteGrammar:
         """A fresh matcher (in the grammar process: its handle); ValueError naming the field when the
         constraint is invalid."""
-        if not self._config.grammar_process:
+        if not self._config.num_grammar_processes:
             return self.compiler.compile(params)
-        self.finish_pending()  # the pipe carries one exchange at a time
-        process = self._grammar_process()
+        self.finish_pending()  # a pipe carries one exchange at a time
+        processes = self._grammar_processes()
         self._next_key += 1
-        return process.compile(self._next_key, params)
+        return processes.compile(self._next_key, params)
 
     def feed(self, feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
         """Each feed's result by row, fed now."""
         self.finish_pending()
         if not feeds:
             return {}
-        if self._config.grammar_process:
-            process = self._grammar_process()
-            process.send_step(feeds, [])
-            return process.receive_results(feeds)
+        if self._config.num_grammar_processes:
+            return self._grammar_processes().send_step(feeds, []).results()
         return _feed_all(feeds)
 
     def bitmask(self, grammars: list[tuple[int, Grammar | RemoteGrammar]]) -> GrammarBitmask:
         """The bitmask of (scheduled row, matcher) pairs, filled now."""
         self.finish_pending()
-        if self._config.grammar_process:
-            return self._start_in_process(grammars, []).result()
+        if self._config.num_grammar_processes:
+            return self._start_in_processes(grammars, []).result()
         return self._fill(self._take_buffer(grammars), grammars)
 
     def start_bitmask(
@@ -184,26 +188,24 @@ class StructuredOutputManager:
         """Starts feeding ``feeds`` (the matchers' latest tokens), then filling the bitmask of (scheduled
         row, matcher) pairs, in the grammar process, and returns at once; without it, does both first."""
         self.finish_pending()
-        if self._config.grammar_process:
-            return self._start_in_process(grammars, feeds)
+        if self._config.num_grammar_processes:
+            return self._start_in_processes(grammars, feeds)
         results = _feed_all(feeds)
         return PendingBitmask.done(self, results, self._fill(self._take_buffer(grammars), grammars))
 
-    def _start_in_process(
+    def _start_in_processes(
         self, grammars: list[tuple[int, RemoteGrammar]], feeds: list[GrammarFeed]
     ) -> PendingBitmask:
-        process = self._grammar_process()  # first: a restarted process brings its own buffer
+        processes = self._grammar_processes()
         result = self._take_buffer(grammars)
-        process.send_step(feeds, [grammar for _, grammar in grammars])
+        exchange = processes.send_step(feeds, [(i, grammar) for i, (_, grammar) in enumerate(grammars)])
 
         def filled() -> GrammarBitmask:
-            if not grammars:
-                return result
-            self.mask_seconds += process.receive_fill(len(grammars))
+            self.mask_seconds += exchange.fill()
             self.num_mask_steps += 1
             return result
 
-        self._pending = PendingBitmask(self, lambda: process.receive_results(feeds), filled)
+        self._pending = PendingBitmask(self, exchange.results, filled)
         return self._pending
 
     def finish_pending(self) -> None:
@@ -226,9 +228,9 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.finish_pending()
-        if self._process is not None:
-            self._process.close()
-            self._process = None
+        if self._processes is not None:
+            self._processes.close()
+            self._processes = None
 
     def _take_buffer(self, grammars: list[tuple[int, Any]]) -> GrammarBitmask:
         """The next bitmask, in the one buffer. Its previous bitmask's copy to the GPU came before the

@@ -193,7 +193,7 @@ class InputProcessor:
         if params.structured_outputs is not None:
             # Compiled here too, so that an invalid constraint is the caller's ValueError (a 400 on the
             # server) rather than a failed request later; the core compiles its own matcher.
-            self.structured_outputs.compile(params.structured_outputs)
+            self.structured_outputs.validate(params.structured_outputs)
         arrival_time = time.time() if arrival_time is None else arrival_time
         n = params.n
         if params.seed is not None:

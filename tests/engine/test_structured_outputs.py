@@ -55,16 +55,16 @@ CHECKS = {
 
 @pytest.fixture(
     scope="module",
-    params=[(False, False), (True, False), (True, True)],
-    ids=["sync", "async", "async-grammar-process"],
+    params=[(False, 0), (True, 0), (True, 2)],
+    ids=["sync", "async", "async-grammar-processes"],
 )
 def llm(request, tiny_qwen3):
-    async_scheduling, grammar_process = request.param
+    async_scheduling, num_grammar_processes = request.param
     engine = LLM(
         tiny_qwen3,
         device="cpu",
         async_scheduling=async_scheduling,
-        grammar_process=grammar_process,
+        num_grammar_processes=num_grammar_processes,
         max_num_seqs=16,
     )
     yield engine
@@ -290,11 +290,11 @@ def test_async_scheduling_samples_a_constrained_step_after_preparing_the_next_an
     assert sampled_after.count(1) >= 20 and set(sampled_after) <= {0, 1}, sampled_after
 
 
-def test_the_grammar_process_feeds_and_fills_while_the_step_launches(tiny_qwen3, monkeypatch):
-    """With the grammars in their own process (the CUDA default) and async scheduling, a constrained
-    step is launched with its feeding and fill already sent to the process; the engine's process never
-    asks a grammar anything, the outputs stay valid, and the seeded tokens are those of a run without
-    async scheduling and with the grammars in the engine's process."""
+def test_the_grammar_processes_feed_and_fill_while_the_step_launches(tiny_qwen3, monkeypatch):
+    """With the grammars in processes of their own (the CUDA default) and async scheduling, a
+    constrained step is launched with its feeding and fill already sent to the processes; the engine's
+    process never asks a grammar anything, the outputs stay valid, and the seeded tokens are those of a
+    run without async scheduling and with the grammars on the engine's thread."""
     from nanoinfer.structured.backend import LLGuidanceGrammar
     from nanoinfer.structured.xgrammar_backend import XGrammarGrammar
 
@@ -310,7 +310,7 @@ def test_the_grammar_process_feeds_and_fills_while_the_step_launches(tiny_qwen3,
                 return _original(self, *args)
 
             monkeypatch.setattr(cls, name, recorded)
-    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, grammar_process=True, max_num_seqs=8)
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, num_grammar_processes=2, max_num_seqs=8)
     try:
         core = llm.llm_engine.engine_core
         launched_filling: list[bool] = []
@@ -346,37 +346,56 @@ def _token_ids(
         llm.close()
 
 
-def test_a_dead_grammar_process_fails_its_requests_alone_and_the_next_one_starts_another(tiny_qwen3):
-    """The grammar process killed mid-run: its constrained requests end with an error, the unconstrained
-    one gets the tokens it gets alone, no block leaks, and the next constrained request gets a new
-    process. An invalid constraint is the compile's ValueError."""
+def test_a_dead_grammar_process_fails_its_own_requests_alone_and_is_started_again(tiny_qwen3, monkeypatch):
+    """One of two grammar processes killed mid-run: the requests whose grammars it held end with an
+    error, the others' outputs stay valid, the unconstrained one gets the tokens it gets alone, no block
+    leaks, and the next constrained requests get a new process. An invalid constraint is the compile's
+    ValueError."""
+    from nanoinfer.engine.grammar_process import GrammarProcesses
+
     prompts, params = _seeded_mixed_batch()
     alone = _token_ids(tiny_qwen3, prompts[-1:], params[-1:])
-    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, grammar_process=True, max_num_seqs=8)
+    keys: list[int] = []
+    compile_grammar = GrammarProcesses.compile
+
+    def logged_compile(self, key, constraint):
+        keys.append(key)
+        return compile_grammar(self, key, constraint)
+
+    monkeypatch.setattr(GrammarProcesses, "compile", logged_compile)
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, num_grammar_processes=2, max_num_seqs=8)
     try:
         core = llm.llm_engine.engine_core
-        manager = core.structured_outputs
         launch = core.executor.launch
         launches = []
 
         def launch_then_kill(out, prepared, defer_sampling=False):
             launches.append(out)
             if len(launches) == 2:  # the first decoding step: no request has ended yet
-                manager._process._process.kill()
+                core.structured_outputs._processes.processes[0]._process.kill()
             return launch(out, prepared, defer_sampling)
 
         core.executor.launch = launch_then_kill
         outputs = llm.generate(prompts, params, use_tqdm=False)
         core.executor.launch = launch
-        reasons = [o.outputs[0].finish_reason for o in outputs]
-        assert reasons[:-1] == ["error"] * (len(outputs) - 1), reasons
+        processes = core.structured_outputs._processes
+        in_killed = [key % 2 == 0 for key in keys]
+        assert len(keys) == len(MIXED_KINDS) and any(in_killed) and not all(in_killed), keys
+        for output, kind, killed in zip(outputs, MIXED_KINDS, in_killed, strict=False):
+            completion = output.outputs[0]
+            if killed:
+                assert completion.finish_reason == "error", completion
+            elif completion.finish_reason == "stop":
+                CHECKS[kind][1](completion.text)
         assert [o.outputs[0].token_ids for o in outputs[-1:]] == alone
         _no_leak(llm)
         regex, check = CHECKS["regex"]
-        again = llm.generate([prompts[0]], [SamplingParams(max_tokens=40, structured_outputs=regex)])
-        check(again[0].outputs[0].text)
+        again = llm.generate(prompts[:2], [SamplingParams(max_tokens=40, structured_outputs=regex)] * 2)
+        for output in again:
+            check(output.outputs[0].text)
+        assert core.structured_outputs._processes is processes and all(p.alive for p in processes.processes)
         with pytest.raises(ValueError, match="regex"):
-            manager.compile(StructuredOutputsParams(regex="(unclosed"))
+            core.structured_outputs.compile(StructuredOutputsParams(regex="(unclosed"))
         _no_leak(llm)
     finally:
         llm.close()
