@@ -75,6 +75,9 @@ def test_vllm_options_that_change_nothing_are_accepted(tiny_qwen3):
         ({"disable_log_stats": 1}, "disable_log_stats"),
         ({"trust_remote_code": "yes"}, "trust_remote_code"),
         ({"cpu_num_threads": 0}, "cpu_num_threads must be an integer >= 1"),
+        ({"num_grammar_processes": -1}, "num_grammar_processes must be an integer in [0, 16]"),
+        ({"num_grammar_processes": 17}, "num_grammar_processes must be an integer in [0, 16]"),
+        ({"num_grammar_processes": True}, "num_grammar_processes"),
         ({"seed": -1}, "seed"),
         ({"dtype": "int8"}, "dtype"),
         ({"chat_template": "no-such-file.jinja"}, "neither an existing file nor a Jinja template"),
@@ -121,6 +124,11 @@ def test_block_size_is_vllms_name_for_kvcache_block_size(tiny_qwen3):
 def test_seed_none_and_cpu_num_threads(tiny_qwen3):
     assert EngineConfig.from_kwargs(tiny_qwen3, seed=None).seed is None
     assert EngineConfig.from_kwargs(tiny_qwen3, cpu_num_threads=2).cpu_num_threads == 2
+
+
+def test_grammar_processes_default_to_none_on_the_cpu(tiny_qwen3):
+    assert EngineConfig.from_kwargs(tiny_qwen3, device="cpu").num_grammar_processes == 0
+    assert EngineConfig.from_kwargs(tiny_qwen3, device="cpu", num_grammar_processes=3).num_grammar_processes == 3
 
 
 def test_quantization_gguf_for_a_gguf_file(tiny_gguf):

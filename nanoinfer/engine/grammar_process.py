@@ -14,11 +14,11 @@ One pipe per process, used by the engine's thread alone, carries pickled tuples:
 
 - ``("compile", released, key, params)``: compile ``params`` as grammar ``key``; the reply is None, or
   the error's message (which the engine raises as ValueError).
-- ``("step", released, keys, token_ids, eos_blocked, fills)``: feed grammar ``keys[i]`` its token
-  (see ``structured_outputs.feed_grammar``), reply with the results that are not a plain acceptance,
-  as {i: (error, blocks_eos)} (pickling one object per row would cost the engine's thread more than
-  the feeding); then, when ``fills`` ((row, key) pairs) is not empty, fill those rows of the shared
-  bitmask and reply with the fill's seconds.
+- ``("step", released, keys, token_ids, eos_blocked, start, fills)``: feed grammar ``keys[i]`` its
+  token (see ``structured_outputs.feed_grammar``), reply with the results that are not a plain
+  acceptance, as {i: (error, blocks_eos)} (pickling one object per row would cost the engine's thread
+  more than the feeding); then, when ``fills`` (keys) is not empty, fill bitmask row ``start + i`` for
+  grammar ``fills[i]`` and reply with the fill's seconds.
 
 ``released``: the keys of the process's grammars whose requests are gone (their handles were
 collected). If a process dies, the requests whose grammars it held fail with an error, and the next
@@ -85,7 +85,12 @@ class GrammarProcesses:
             self._pinned = int(status) == 0
             if not self._pinned:
                 logger.warning("the grammar bitmask could not be pinned (%s): its copies will wait", status)
-        self.processes = [_GrammarProcess(config, self.bitmask) for _ in range(num_processes)]
+        from nanoinfer.structured.xgrammar_backend import default_num_threads
+
+        # The grammar libraries' threads (the batched fill's, the compiler's) of each process: the
+        # processes fill at once, so they share the host's cores instead of each taking most of them.
+        self._num_threads = max(1, default_num_threads() // num_processes)
+        self.processes = [self._start() for _ in range(num_processes)]
         try:
             for process in self.processes:
                 process.wait_ready()
@@ -99,7 +104,7 @@ class GrammarProcesses:
         for i, process in enumerate(self.processes):
             if not process.alive:
                 process.close()
-                self.processes[i] = _GrammarProcess(self._config, self.bitmask)
+                self.processes[i] = self._start()
                 self.processes[i].wait_ready()
 
     def compile(self, key: int, params: StructuredOutputsParams) -> RemoteGrammar:
@@ -108,23 +113,37 @@ class GrammarProcesses:
         process.compile(key, params)
         return RemoteGrammar(key, process.released)
 
-    def send_step(
-        self, feeds: Sequence[GrammarFeed], fills: Sequence[tuple[int, RemoteGrammar]]
-    ) -> GrammarExchange:
-        """Sends a step's feeds and its fills ((bitmask row, grammar) pairs) to their processes; the
-        exchange takes the replies. A dead process answers each of its feeds with an error, and its
-        rows allow EOS alone."""
+    def _start(self) -> _GrammarProcess:
+        return _GrammarProcess(self._config, self.bitmask, self._num_threads)
+
+    def in_fill_order(self, grammars: list[tuple[int, RemoteGrammar]]) -> list[tuple[int, RemoteGrammar]]:
+        """(scheduled row, grammar) pairs ordered by process, so that each process fills one run of
+        consecutive bitmask rows (xgrammar's batched fill takes a bitmask and fills its first rows)."""
         n = len(self.processes)
-        parts: list[tuple[list[GrammarFeed], list[tuple[int, int]]]] = [([], []) for _ in range(n)]
+        return sorted(grammars, key=lambda pair: pair[1].key % n)
+
+    def send_step(self, feeds: Sequence[GrammarFeed], fills: Sequence[RemoteGrammar]) -> GrammarExchange:
+        """Sends a step's feeds, and its fills (bitmask row i for ``fills[i]``, in :meth:`in_fill_order`),
+        to their processes; the exchange takes the replies. A dead process answers each of its feeds with
+        an error, and its rows allow EOS alone."""
+        n = len(self.processes)
+        parts: list[tuple[list[GrammarFeed], int, list[int]]] = [([], 0, []) for _ in range(n)]
         for feed in feeds:
             parts[feed.grammar.key % n][0].append(feed)
-        for row, grammar in fills:
-            parts[grammar.key % n][1].append((row, grammar.key))
+        previous = -1
+        for row, grammar in enumerate(fills):
+            p = grammar.key % n
+            if p != previous:
+                if parts[p][2]:
+                    raise RuntimeError("the fills are not in fill order (see in_fill_order)")
+                parts[p] = (parts[p][0], row, parts[p][2])
+                previous = p
+            parts[p][2].append(grammar.key)
         sent = []
-        for process, (process_feeds, process_fills) in zip(self.processes, parts, strict=True):
-            if process_feeds or process_fills:
-                process.send_step(process_feeds, process_fills)
-                sent.append((process, process_feeds, [row for row, _ in process_fills]))
+        for process, (process_feeds, start, keys) in zip(self.processes, parts, strict=True):
+            if process_feeds or keys:
+                process.send_step(process_feeds, start, keys)
+                sent.append((process, process_feeds, range(start, start + len(keys))))
         return GrammarExchange(sent, self.bitmask, self.eos_token_ids)
 
     def close(self) -> None:
@@ -140,7 +159,7 @@ class GrammarExchange:
 
     def __init__(
         self,
-        sent: list[tuple[_GrammarProcess, list[GrammarFeed], list[int]]],
+        sent: list[tuple[_GrammarProcess, list[GrammarFeed], range]],
         bitmask: torch.Tensor,
         eos_token_ids: tuple[int, ...],
     ):
@@ -174,11 +193,14 @@ class GrammarExchange:
 class _GrammarProcess:
     """One grammar process: started here, ready after :meth:`wait_ready`."""
 
-    def __init__(self, config: EngineConfig, bitmask: torch.Tensor):
+    def __init__(self, config: EngineConfig, bitmask: torch.Tensor, num_threads: int):
         context = mp.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=serve, args=(child_conn, config, bitmask), name="nanoinfer-grammars", daemon=True
+            target=serve,
+            args=(child_conn, config, bitmask, num_threads),
+            name="nanoinfer-grammars",
+            daemon=True,
         )
         self._process.start()
         child_conn.close()
@@ -203,14 +225,15 @@ class _GrammarProcess:
         if error is not None:
             raise ValueError(error)
 
-    def send_step(self, feeds: list[GrammarFeed], fills: list[tuple[int, int]]) -> None:
+    def send_step(self, feeds: list[GrammarFeed], start: int, keys: list[int]) -> None:
         message = (
             "step",
             self._take_released(),
             [feed.grammar.key for feed in feeds],
             [feed.token_id for feed in feeds],
             [feed.eos_blocked for feed in feeds],
-            fills,
+            start,
+            keys,
         )
         with contextlib.suppress(GrammarProcessExited):
             self._send(message)
@@ -272,7 +295,7 @@ class _GrammarProcess:
         logger.error("a grammar process exited (exit code %s)", self._process.exitcode)
 
 
-def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor) -> None:
+def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: int) -> None:
     """The grammar process's loop (see the module docstring)."""
     from nanoinfer.engine.request import engine_eos_token_ids
     from nanoinfer.engine.structured_outputs import ACCEPTED, GrammarResult, feed_grammar
@@ -283,7 +306,9 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor) -> None:
     try:
         tokenizer = load_tokenizer(config.model, config.tokenizer)
         eos_token_ids = engine_eos_token_ids(config, tokenizer)
-        compiler = GrammarCompiler(tokenizer, config.hf_config.vocab_size, eos_token_ids)
+        compiler = GrammarCompiler(
+            tokenizer, config.hf_config.vocab_size, eos_token_ids, num_threads=num_threads
+        )
     except Exception as e:  # noqa: BLE001 (reported to the engine, which raises it)
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
@@ -306,7 +331,7 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor) -> None:
             else:
                 conn.send(None)
         else:
-            _, _, keys, token_ids, eos_blocked, fills = message
+            _, _, keys, token_ids, eos_blocked, start, fills = message
             unusual = {}
             for i, key in enumerate(keys):
                 grammar = grammars.get(key)
@@ -316,9 +341,11 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor) -> None:
             conn.send(unusual)
             if fills:
                 started = time.perf_counter()
-                known = [(grammars[key], row) for row, key in fills if key in grammars]
-                compiler.fill_bitmasks(known, bitmask)
-                for row, key in fills:
+                rows = bitmask[start : start + len(fills)]
+                compiler.fill_bitmasks(
+                    [(grammars[key], i) for i, key in enumerate(fills) if key in grammars], rows
+                )
+                for i, key in enumerate(fills):
                     if key not in grammars:
-                        set_only(bitmask, row, eos_token_ids)
+                        set_only(rows, i, eos_token_ids)
                 conn.send(time.perf_counter() - started)

@@ -79,8 +79,8 @@ class SchedulerOutput:
     # Rows (indices into ``scheduled``) that sample under a structured-outputs constraint: their
     # sampling waits for a grammar bitmask (see engine/structured_outputs.py).
     structured_rows: list[int] = field(default_factory=list)
-    # Set by Scheduler.advance_grammars: what feeding each constrained row's sampled token to its
-    # grammar gave, ahead of update_from_output.
+    # Set by the core before update_from_output: what feeding each constrained row's sampled token to
+    # its grammar gave (see grammar_feeds).
     grammar_results: dict[int, GrammarResult] | None = None
 
     @property
