@@ -128,7 +128,8 @@ def test_seed_none_and_cpu_num_threads(tiny_qwen3):
 
 def test_grammar_processes_default_to_none_on_the_cpu(tiny_qwen3):
     assert EngineConfig.from_kwargs(tiny_qwen3, device="cpu").num_grammar_processes == 0
-    assert EngineConfig.from_kwargs(tiny_qwen3, device="cpu", num_grammar_processes=3).num_grammar_processes == 3
+    config = EngineConfig.from_kwargs(tiny_qwen3, device="cpu", num_grammar_processes=3)
+    assert config.num_grammar_processes == 3
 
 
 def test_quantization_gguf_for_a_gguf_file(tiny_gguf):

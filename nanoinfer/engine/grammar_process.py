@@ -213,7 +213,14 @@ class _GrammarProcess:
         if not self._conn.poll(START_TIMEOUT_S):
             self.close()
             raise RuntimeError(f"the grammar process did not start within {START_TIMEOUT_S:.0f} s")
-        status, payload = self._receive()
+        try:
+            status, payload = self._receive()
+        except GrammarProcessExited as e:
+            raise RuntimeError(
+                "the grammar process exited as it started: a script that runs the engine must do so "
+                'under `if __name__ == "__main__":` (processes start by importing it), or set '
+                "num_grammar_processes=0"
+            ) from e
         if status != "ready":
             self.close()
             raise RuntimeError(f"the grammar process failed to start: {payload}")

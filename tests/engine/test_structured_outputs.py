@@ -399,3 +399,21 @@ def test_a_dead_grammar_process_fails_its_own_requests_alone_and_is_started_agai
         _no_leak(llm)
     finally:
         llm.close()
+
+
+def test_a_script_without_a_main_guard_gets_an_error_that_says_so(tiny_qwen3, tmp_path):
+    """A grammar process starts by importing the main script; one that runs the engine at its top level
+    gets an error naming the guard, not a hang."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from nanoinfer import LLM, SamplingParams, StructuredOutputsParams\n"
+        f"llm = LLM({tiny_qwen3!r}, device='cpu', num_grammar_processes=1)\n"
+        "constraint = StructuredOutputsParams(regex='[a-z]{3}')\n"
+        "llm.generate(['hi'], SamplingParams(max_tokens=5, structured_outputs=constraint), use_tqdm=False)\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert 'if __name__ == "__main__":' in run.stderr, run.stderr[-2000:]
