@@ -6,7 +6,7 @@ schedules and launches step n+1, then waits for step n and turns its result into
 host's work for one step overlaps the device's for the other. Step n+1's input for a decoding request is
 step n's sampled token, which stays on the device. A request that step n finished has a row in step
 n+1 that is wasted: its token is dropped. A step with structured-outputs rows is launched with its
-sampling deferred, once step n's tokens are on the host: the grammar process feeds them to the grammars
+sampling deferred, once step n's tokens are on the host: the grammar processes feed them to the grammars
 and fills step n+1's bitmask meanwhile; the next call schedules and prepares step n+2, then takes the
 bitmask and launches step n+1's sampling (see engine/structured_outputs.py).
 """
@@ -67,7 +67,7 @@ class EngineCore:
             lambda: tokenizer if tokenizer is not None else load_tokenizer(config.model, config.tokenizer),
         )
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
-        # The bitmask of the in-flight step's constrained rows, filling in the grammar process.
+        # The bitmask of the in-flight step's constrained rows, filling in the grammar processes.
         self._pending_bitmask: tuple[SchedulerOutput, PendingBitmask] | None = None
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -117,7 +117,7 @@ class EngineCore:
             self._sample_structured(*previous)
             if constrained:
                 # They also advance the grammars that this step's bitmask is made from: taken now, they
-                # let the grammars advance and the bitmask fill in the grammar process while this step's
+                # let the grammars advance and the bitmask fill in the grammar processes while this step's
                 # forward pass is launched and the previous step's outputs are made, not after them.
                 previous_result = previous[1].result()
         handle = None
@@ -153,7 +153,7 @@ class EngineCore:
         return grammars
 
     def _sample_structured(self, out: SchedulerOutput, handle: StepHandle) -> None:
-        """Takes the bitmask of a step whose constrained rows waited for it (filled in the grammar process
+        """Takes the bitmask of a step whose constrained rows waited for it (filled in the grammar processes
         since the previous call, or now) and launches its sampling. A request aborted since its fill started
         keeps its row's mask; its token is dropped."""
         pending, self._pending_bitmask = self._pending_bitmask, None

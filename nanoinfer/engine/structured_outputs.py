@@ -108,7 +108,7 @@ class GrammarBitmask:
 class StructuredOutputManager:
     """Compiles constraints into matchers, feeds them and fills bitmasks. The grammar compiler
     (llguidance's token trie, and for JSON xgrammar's tokenizer info: together about a second and a
-    half for a 150k vocabulary), or the grammar process, is built by the first constrained request, so
+    half for a 150k vocabulary), or the grammar processes, are built by the first constrained request, so
     that engines that never see one never pay for it."""
 
     def __init__(self, config: EngineConfig, tokenizer: Callable[[], Any]):
@@ -116,13 +116,13 @@ class StructuredOutputManager:
         self._tokenizer = tokenizer
         self._compiler: GrammarCompiler | None = None
         self._processes: GrammarProcesses | None = None
-        self._next_key = 0  # the grammar process's grammars (unique across its restarts)
+        self._next_key = 0  # the last key given to a grammar in the processes (keys are never reused)
         self._buffer: torch.Tensor | None = None
         self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
         self._upload_event: torch.cuda.Event | None = None
-        self._pending: PendingBitmask | None = None  # the grammar process's exchange in flight
+        self._pending: PendingBitmask | None = None  # the grammar processes' exchange in flight
         # For the structured-outputs benchmark: time spent filling bitmasks, and waiting for the grammar
-        # process.
+        # processes.
         self.num_mask_steps = 0
         self.mask_seconds = 0.0
         self.mask_wait_seconds = 0.0
@@ -157,7 +157,7 @@ class StructuredOutputManager:
         self.compiler.compile(params)
 
     def compile(self, params: StructuredOutputsParams) -> Grammar | RemoteGrammar:
-        """A fresh matcher (in the grammar process: its handle); ValueError naming the field when the
+        """A fresh matcher (in a grammar process: its handle); ValueError naming the field when the
         constraint is invalid."""
         if not self._config.num_grammar_processes:
             return self.compiler.compile(params)
@@ -186,7 +186,8 @@ class StructuredOutputManager:
         self, grammars: list[tuple[int, Grammar | RemoteGrammar]], feeds: list[GrammarFeed]
     ) -> PendingBitmask:
         """Starts feeding ``feeds`` (the matchers' latest tokens), then filling the bitmask of (scheduled
-        row, matcher) pairs, in the grammar process, and returns at once; without it, does both first."""
+        row, matcher) pairs, in the grammar processes, and returns at once; without them, does both
+        first."""
         self.finish_pending()
         if self._config.num_grammar_processes:
             return self._start_in_processes(grammars, feeds)
@@ -210,7 +211,7 @@ class StructuredOutputManager:
         return self._pending
 
     def finish_pending(self) -> None:
-        """Waits for the grammar process's feeding and fill in flight, if any (the buffer or the pipe is
+        """Waits for the grammar processes' feeding and fill in flight, if any (the buffer or a pipe is
         about to be reused, or the engine stops)."""
         if self._pending is not None:
             self._pending.result()
@@ -259,7 +260,7 @@ def _feed_all(feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
 
 
 class PendingBitmask:
-    """A step's feeding and bitmask fill, running in the grammar process
+    """A step's feeding and bitmask fill, running in the grammar processes
     (``StructuredOutputManager.start_bitmask``), or done."""
 
     def __init__(
