@@ -74,6 +74,7 @@ class GrammarProcesses:
 
     def __init__(self, config: EngineConfig, num_rows: int, num_processes: int):
         from nanoinfer.structured.backend import allocate_token_bitmask
+        from nanoinfer.structured.xgrammar_backend import default_num_threads
 
         self._config = config
         self.bitmask = allocate_token_bitmask(num_rows, config.hf_config.vocab_size).share_memory_()
@@ -85,8 +86,6 @@ class GrammarProcesses:
             self._pinned = int(status) == 0
             if not self._pinned:
                 logger.warning("the grammar bitmask could not be pinned (%s): its copies will wait", status)
-        from nanoinfer.structured.xgrammar_backend import default_num_threads
-
         # The grammar libraries' threads (the batched fill's, the compiler's) of each process: the
         # processes fill at once, so they share the host's cores instead of each taking most of them.
         self._num_threads = max(1, default_num_threads() // num_processes)
@@ -216,10 +215,11 @@ class _GrammarProcess:
         try:
             status, payload = self._receive()
         except GrammarProcessExited as e:
+            self.close()
             raise RuntimeError(
-                "the grammar process exited as it started: a script that runs the engine must do so "
-                'under `if __name__ == "__main__":` (processes start by importing it), or set '
-                "num_grammar_processes=0"
+                f"the grammar process exited as it started (exit code {self._process.exitcode}); a "
+                'script that runs the engine must do so under `if __name__ == "__main__":` (processes '
+                "start by importing it), or set num_grammar_processes=0"
             ) from e
         if status != "ready":
             self.close()
@@ -261,14 +261,11 @@ class _GrammarProcess:
         return self._receive()
 
     def close(self) -> None:
+        self._conn.close()  # the process exits at the end of its pipe
+        self._process.join(timeout=5)
         if self._process.is_alive():
-            try:
-                self._conn.close()
-            finally:
-                self._process.join(timeout=5)
-                if self._process.is_alive():
-                    self._process.kill()
-                    self._process.join()
+            self._process.kill()
+            self._process.join()
         self.alive = False
 
     def _take_released(self) -> list[int]:
