@@ -91,15 +91,21 @@ class _HFOnDevice:
         return self.model(input_ids.cuda(), **kwargs)
 
 
+def _check_model(prefix: str, head_dim: int = 128) -> str:
+    """The engine checks' random bf16 checkpoint (Qwen3-like: 4 layers, 8 query and 2 KV heads), in a
+    fresh temporary directory."""
+    return build_model(
+        tempfile.mkdtemp(prefix=prefix), hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048, weight_std=0.04,
+        dtype="bfloat16",
+    )  # fmt: skip
+
+
 def engine_checks() -> bool:
     ok = True
     rng = random.Random(0)
     for head_dim in (128, 64):
-        path = build_model(
-            tempfile.mkdtemp(prefix=f"gpu-check-hd{head_dim}-"), hidden_size=512, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
-            weight_std=0.04, dtype="bfloat16",
-        )  # fmt: skip
+        path = _check_model(f"gpu-check-hd{head_dim}-", head_dim=head_dim)
         hf = _HFOnDevice(path)
         refs: dict = {}
         prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (1, 15, 16, 17, 100, 300, 700)]
@@ -139,11 +145,7 @@ def fp8_checks() -> bool:
     check_logprobs_close rule (identical, or at the first mismatch each side's token is in the other's
     top-5 logprobs), through chunked prefill and prefix hits."""
     rng = random.Random(1)
-    path = build_model(
-        tempfile.mkdtemp(prefix="gpu-check-fp8-"), hidden_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-        weight_std=0.04, dtype="bfloat16",
-    )  # fmt: skip
+    path = _check_model("gpu-check-fp8-")
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(20, 700))] for _ in range(16)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = {}
@@ -190,11 +192,7 @@ def structured_checks() -> bool:
 
     from nanoinfer import StructuredOutputsParams
 
-    path = build_model(
-        tempfile.mkdtemp(prefix="gpu-check-structured-"), hidden_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-        weight_std=0.04, dtype="bfloat16",
-    )  # fmt: skip
+    path = _check_model("gpu-check-structured-")
     schema = {
         "type": "object",
         "properties": {
@@ -269,14 +267,20 @@ def _with_and_without_graphs(
     return captured, tokens, replays
 
 
+def _report_comparison(
+    key: str, label: str, ok: bool, captured: bool, tokens: list[list[list[int]]], replays: list[int]
+) -> bool:
+    """Records and logs a with-and-without-graphs comparison (``_with_and_without_graphs``)."""
+    mismatched = [i for i, (a, b) in enumerate(zip(*tokens, strict=True)) if a != b]
+    RESULTS[key] = {"ok": ok, "captured": captured, "replays": replays, "mismatched_prompts": mismatched}
+    log(f"{'PASS' if ok else 'FAIL'} {label}: replays {replays}, mismatched prompts {mismatched}")
+    return ok
+
+
 def graph_sampling_checks() -> bool:
     """Temperature-only sampling inside the decode graphs against the same engine sampling after the
     graph's forward pass (its sampling graphs dropped): identical tokens, greedy and seeded rows."""
-    path = build_model(
-        tempfile.mkdtemp(prefix="gpu-check-graph-sampling-"), hidden_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-        weight_std=0.04, dtype="bfloat16",
-    )  # fmt: skip
+    path = _check_model("gpu-check-graph-sampling-")
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 40, 90, 200, 333, 20, 64, 7, 150)]
     params = [
@@ -287,12 +291,9 @@ def graph_sampling_checks() -> bool:
         path, prompts, params, "sampling_graphs", "replay_and_sample"
     )
     ok = captured and tokens[0] == tokens[1]
-    mismatched = [i for i, (a, b) in enumerate(zip(*tokens, strict=True)) if a != b]
-    RESULTS["graph_sampling"] = {
-        "ok": ok, "captured": captured, "replays": replays, "mismatched_prompts": mismatched
-    }  # fmt: skip
-    log(f"{'PASS' if ok else 'FAIL'} sampling inside the decode graphs: mismatched prompts {mismatched}")
-    return ok
+    return _report_comparison(
+        "graph_sampling", "sampling inside the decode graphs", ok, captured, tokens, replays
+    )
 
 
 def masked_graph_sampling_checks() -> bool:
@@ -301,11 +302,7 @@ def masked_graph_sampling_checks() -> bool:
     identical tokens for the constrained rows and the unconstrained ones beside them."""
     from nanoinfer import StructuredOutputsParams
 
-    path = build_model(
-        tempfile.mkdtemp(prefix="gpu-check-masked-sampling-"), hidden_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-        weight_std=0.04, dtype="bfloat16",
-    )  # fmt: skip
+    path = _check_model("gpu-check-masked-sampling-")
     regex = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"
     params = [
         SamplingParams(
@@ -318,12 +315,7 @@ def masked_graph_sampling_checks() -> bool:
         path, prompts, params, "masked_sampling_graphs", "replay_masked_sampling"
     )
     ok = captured and used[0] >= 10 and used[1] == 0 and tokens[0] == tokens[1]
-    mismatched = [i for i, (a, b) in enumerate(zip(*tokens, strict=True)) if a != b]
-    RESULTS["masked_graph_sampling"] = {
-        "ok": ok, "captured": captured, "replays": used, "mismatched_prompts": mismatched
-    }  # fmt: skip
-    log(f"{'PASS' if ok else 'FAIL'} masked sampling graphs: replays {used}, mismatched prompts {mismatched}")
-    return ok
+    return _report_comparison("masked_graph_sampling", "masked sampling graphs", ok, captured, tokens, used)
 
 
 def main() -> int:
