@@ -171,7 +171,7 @@ def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple
         "valid_json": valid,
         "mask_steps": mask_steps,
         "mask_us_per_step": round(mask_us / mask_steps, 1) if mask_steps else None,
-        # The engine thread's wait for fills that ran on the worker, beside its own work.
+        # The engine thread's wait for the grammar processes' feeding and fill, beside its own work.
         "mask_wait_us_per_step": round(wait_us / mask_steps, 1) if mask_steps else None,
         **({"host_phase_us_per_step": phase_us} if phase_us is not None else {}),
     }, [len(o.outputs[0].token_ids) for o in outputs]

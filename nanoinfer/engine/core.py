@@ -7,7 +7,7 @@ host's work for one step overlaps the device's for the other. Step n+1's input f
 step n's sampled token, which stays on the device. A request that step n finished has a row in step
 n+1 that is wasted: its token is dropped. A step with structured-outputs rows is launched with its
 sampling deferred, once step n's tokens are on the host: the grammar processes feed them to the grammars
-and fills step n+1's bitmask meanwhile; the next call schedules and prepares step n+2, then takes the
+and fill step n+1's bitmask meanwhile; the next call schedules and prepares step n+2, then takes the
 bitmask and launches step n+1's sampling (see engine/structured_outputs.py).
 """
 
@@ -29,6 +29,7 @@ from nanoinfer.executor.model_runner import StepHandle
 from nanoinfer.models.checkpoint import load_tokenizer
 
 if TYPE_CHECKING:
+    from nanoinfer.engine.grammar_process import RemoteGrammar
     from nanoinfer.structured.backend import Grammar
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class EngineCore:
             previous[0].grammar_results = self._pending_bitmask[1].wait_advanced()
         return self._finish_step(*previous, previous_result)
 
-    def _grammars(self, out: SchedulerOutput) -> list[tuple[int, Grammar]]:
+    def _grammars(self, out: SchedulerOutput) -> list[tuple[int, Grammar | RemoteGrammar]]:
         """The (row, grammar) pairs of a step's constrained rows whose requests are still running."""
         requests = self.scheduler.requests
         grammars = []

@@ -59,9 +59,10 @@ class StepHandle:
         self._tokens: torch.Tensor | None = None  # [sampled rows], on the host (pinned) or CPU
         self._event: torch.cuda.Event | None = None  # after which _tokens is filled
         self._wait: DeviceWait | None = None
-        # A step whose sampling waits for a grammar bitmask: its logits and sampling inputs, and the
-        # batch size of the masked sampling graph that samples it (None: it samples eagerly).
-        self.deferred: tuple[torch.Tensor, SamplingMetadata] | None = None
+        # A step whose sampling waits for a grammar bitmask: its logits (None where the masked sampling
+        # graph computes them) and sampling inputs, and the batch size of that graph (None: it samples
+        # eagerly).
+        self.deferred: tuple[torch.Tensor | None, SamplingMetadata] | None = None
         self.deferred_graph_bs: int | None = None
         self.logprobs: LogprobsTensors | None = None
         self.logprob_rows: list[int] = []  # logits rows the logprobs belong to
