@@ -29,6 +29,7 @@ import inspect
 import json
 import math
 import os
+import random
 import sys
 import time
 import traceback
@@ -464,8 +465,28 @@ def decode_configs(quick: bool) -> dict:
         "merge_n32_w2_s2_r128": K.attn.DecodeConfig(
             mode="merge_kernel", block_n=32, num_warps=2, num_stages=2, max_registers=128
         ),
+        **{name: config for name, config in balanced_decode_configs().items() if name.endswith("_m4")},
     }
-    return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32")} if quick else configs
+    return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32", "balanced")} if quick else configs
+
+
+def balanced_decode_configs() -> dict:
+    """Balanced-mode variants (one split length per batch, from its longest sequence): the bf16 tiles,
+    FP8's four-warp tiles and its capped one-warp tiles, each with a floor of 1, 2 or 4 splits and a
+    split target of 4 or 8 programs per SM."""
+    tiles = {
+        "n64": {},
+        "n32": {"block_n": 32},
+        "n16_w1_r128": {"block_n": 16, "num_warps": 1, "max_registers": 128},
+    }
+    configs = {"balanced": K.attn.DecodeConfig(mode="balanced")}
+    for tile, spec in tiles.items():
+        for target in (4, 8):
+            for floor in (1, 2, 4):
+                configs[f"balanced_{tile}_t{target}_m{floor}"] = K.attn.DecodeConfig(
+                    mode="balanced", target_programs_per_sm=target, min_splits=floor, **spec
+                )
+    return configs
 
 
 def decode_reference(query, paged, seq_lens, scale) -> torch.Tensor:
@@ -646,10 +667,11 @@ def run_decode_correctness(gen, quick):
     ]
     # Every shape through the two schemes; the other variants (timed at head_dim 128, block 16) on the
     # timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
+    schemes = ("merge_kernel", "fused", "balanced")
     for name, config in configs.items():
-        for shape in shapes if name in ("merge_kernel", "fused") else (shapes[0], shapes[1], shapes[6]):
+        for shape in shapes if name in schemes else (shapes[0], shapes[1], shapes[6]):
             check_decode(gen, *shape, name, config)
-    for name in ("merge_kernel", "fused"):
+    for name in schemes:
         for shape in shapes[:4]:
             check_decode(gen, *shape, name, configs[name], fp8=True)
         check_decode_graph(gen, name, configs[name])
@@ -978,6 +1000,82 @@ def time_decode(gen, quick):
             )
             del paged
     RESULTS["timing"]["decode"] = res
+
+
+def workload_decode_lengths(batch: int, seed: int = 0, num_seqs: int = 256) -> list[int]:
+    """Context lengths of the bench workload's decode step at which ``batch`` of its ``num_seqs``
+    sequences (prompts and outputs of 100-1,024 tokens each) are still running, in random order."""
+    rng = random.Random(seed)
+    prompts = [rng.randint(100, 1024) for _ in range(num_seqs)]
+    outputs = [rng.randint(100, 1024) for _ in range(num_seqs)]
+    running = sorted(range(num_seqs), key=lambda i: -outputs[i])[:batch]
+    step = outputs[running[-1]] - 1
+    lengths = [prompts[i] + step for i in running]
+    rng.shuffle(lengths)
+    return lengths
+
+
+def previous_decode_config(batch: int, fp8: bool):
+    """The engine's decode configuration before balanced mode (tree 89acc5d), as the baseline."""
+    programs = batch * KV_HEADS
+    if not fp8 or programs < 3 * num_sms():
+        return K.attn.MERGE_KERNEL_DECODE
+    return K.attn.FP8_FULL_GRID_DECODE if programs >= 12 * num_sms() else K.attn.FP8_DECODE
+
+
+def time_decode_mixed(gen, quick):
+    """Decode over the bench workload's mixed context lengths (``workload_decode_lengths``) with the
+    engine's 4096-token tables, every batch from 1 to 256 rows in steps: the previous default, today's
+    default and every balanced variant, bf16 and FP8, in CUDA-graph replay; KV TB/s over the bytes read."""
+    res = {}
+    variants = balanced_decode_configs()
+    if quick:
+        variants = {k: variants[k] for k in ("balanced",)}
+    block_size = 16
+    for fp8 in (False, True):
+        kv = "fp8" if fp8 else "bf16"
+        for batch in (2, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
+            lens = workload_decode_lengths(batch)
+            paged = Paged(
+                gen, lens, KV_HEADS, HEAD_DIM, block_size, fp8_scales() if fp8 else None, width=4096 // 16
+            )
+            query = randn(gen, batch, HEADS, HEAD_DIM)
+            out = torch.empty_like(query)
+            args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
+            expected = decode_reference(query, paged, paged.seq_lens, HEAD_DIM**-0.5)
+            entry = {"max_len": max(lens), "mean_len": sum(lens) / batch}
+            configs = {"previous": previous_decode_config(batch, fp8), "default": None, **variants}
+            for name, config in configs.items():
+                workspace = K.attn.DecodeWorkspace.allocate(
+                    batch, HEADS, KV_HEADS, HEAD_DIM, 4096, DEVICE, config, cache_dtype=paged.k_cache.dtype
+                )
+                fn = partial(
+                    K.attn.paged_decode_attention, *args, out=out, workspace=workspace, config=config,
+                    pdl=True, **paged.scales,
+                )  # fmt: skip
+                try:
+                    out.fill_(float("nan"))
+                    fn()
+                    err = rel_error(out, expected)
+                    us = graph_bench(fn) * 1e3
+                    entry[name] = {"us": us, "kv_tbps": paged.kv_bytes / us / 1e6, "err": err}
+                    if err >= TOLERANCE or out.isnan().any():
+                        record("decode_mixed", {"cfg": name, "kv": kv, "B": batch}, False, err)
+                except Exception as exc:  # noqa: BLE001
+                    entry[name] = {"error": repr(exc)[:300]}
+            res[f"{kv} B={batch}"] = entry
+            timed = {k: v["us"] for k, v in entry.items() if isinstance(v, dict) and "us" in v}
+            best = min(timed, key=timed.get)
+            nan = float("nan")
+            TABLE.append(
+                (
+                    f"decode mixed {kv} B={batch} (max {max(lens)}, mean {sum(lens) / batch:.0f})",
+                    f"previous {timed.get('previous', nan):.1f} us, default {timed.get('default', nan):.1f} "
+                    f"({entry['default'].get('kv_tbps', 0):.2f} TB/s), best {best} {timed[best]:.1f}",
+                )
+            )
+            del paged
+    RESULTS["timing"]["decode_mixed"] = res
 
 
 def _token_major(cache: torch.Tensor) -> torch.Tensor:
@@ -1455,7 +1553,7 @@ def compile_only(quick: bool) -> int:
         for batch in (1, 8, 256):
             tables = torch.zeros(batch, 64, dtype=torch.int32)
             lens = torch.zeros(batch, dtype=torch.int32)
-            for name, config in decode_configs(quick).items():
+            for name, config in {**decode_configs(quick), **balanced_decode_configs()}.items():
                 for pdl in (False, True):
                     attempt(
                         f"decode {cache_dtype} B={batch} {name} pdl={pdl}",
@@ -1511,7 +1609,8 @@ def guarded(name: str, stage: Callable) -> None:
 
 
 SECTIONS = (
-    "ceiling", "correctness", "elementwise", "sampler", "gemv", "decode", "prefill", "layout", "mock_step",
+    "ceiling", "correctness", "elementwise", "sampler", "gemv", "decode", "decode_mixed", "prefill", "layout",
+    "mock_step",
 )  # fmt: skip
 
 
@@ -1550,6 +1649,7 @@ def main() -> int:
         "sampler": lambda: time_sampler(gen, opts.quick),
         "gemv": lambda: time_gemv(gen, opts.quick),
         "decode": lambda: time_decode(gen, opts.quick),
+        "decode_mixed": lambda: time_decode_mixed(gen, opts.quick),
         "prefill": lambda: time_prefill(gen, opts.quick),
         "layout": lambda: time_layouts(gen, opts.quick),
         "mock_step": lambda: time_mock_step(gen, opts.quick),

@@ -29,10 +29,15 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 # bf16, head_dim 128: batch 64 x 4096 context, 4.2 TB/s unsplit against 4.0 with 4 splits).
 _DECODE_NO_SPLIT_PROGRAMS_PER_SM = 3
 # Decode modes (the kernel's MODE): one split; splits merged by a second kernel; splits merged by the
-# last split program of each (sequence, kv head) to finish, found with an atomic counter.
+# last split program of each (sequence, kv head) to finish, found with an atomic counter; splits of one
+# length for the whole batch (from its longest sequence), merged by a second kernel.
 _MODE_SINGLE = tl.constexpr(0)
 _MODE_MERGE_KERNEL = tl.constexpr(1)
 _MODE_FUSED = tl.constexpr(2)
+_MODE_BALANCED = tl.constexpr(3)
+_MODES = {"fused": _MODE_FUSED, "merge_kernel": _MODE_MERGE_KERNEL, "balanced": _MODE_BALANCED}
+# Sequence lengths read per step when a balanced-mode program looks for the batch's longest.
+_LONGEST_BLOCK = tl.constexpr(256)
 
 
 @dataclass(frozen=True)
@@ -41,11 +46,15 @@ class DecodeConfig:
 
     ``mode``: ``"fused"`` (one launch; each sequence's split count is chosen on the device from its own
     length, at least ``min_split_tiles`` key tiles per split, and a sequence that needs one split
-    writes its output directly) or ``"merge_kernel"`` (every grid split writes a partial and a second
-    kernel merges them: the default, see ``default_decode_config``). The grid's split count aims at
-    ``target_programs_per_sm`` programs per SM, at most ``max_splits``. ``max_registers``: a cap on the
-    registers per thread (ptxas spills the rest), so that more programs fit on a multiprocessor (CUDA
-    only; None: the compiler's choice).
+    writes its output directly), ``"merge_kernel"`` (every sequence is cut into the grid's split count
+    of equal parts, each writes a partial and a second kernel merges them) or ``"balanced"`` (one split
+    length for the whole batch, the longest sequence over the grid's split count: a shorter sequence
+    uses fewer splits, and one that needs a single split writes its output directly, so that no
+    program of a batch of mixed lengths holds more than that length; the second kernel merges the
+    others). The grid's split count aims at ``target_programs_per_sm`` programs per SM, at most
+    ``max_splits``; in balanced mode at least ``min_splits``, however full the grid. ``max_registers``:
+    a cap on the registers per thread (ptxas spills the rest), so that more programs fit on a
+    multiprocessor (CUDA only; None: the compiler's choice).
     """
 
     mode: str = "fused"
@@ -55,13 +64,18 @@ class DecodeConfig:
     min_split_tiles: int = 1
     target_programs_per_sm: int = 4
     max_splits: int = 64
+    min_splits: int = 1
     max_registers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("fused", "merge_kernel"):
-            raise ValueError(f"DecodeConfig.mode must be 'fused' or 'merge_kernel', got {self.mode!r}")
+        if self.mode not in _MODES:
+            raise ValueError(f"DecodeConfig.mode must be one of {sorted(_MODES)}, got {self.mode!r}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
+        if not 1 <= self.min_splits <= self.max_splits:
+            raise ValueError(
+                f"DecodeConfig.min_splits must be in [1, max_splits={self.max_splits}], got {self.min_splits}"
+            )
         for name in ("num_warps", "num_stages", "min_split_tiles", "target_programs_per_sm", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -419,6 +433,20 @@ def _store_partial(
     tl.store(partial_lse_ptr + part_row, lse, mask=row_mask)
 
 
+@triton.jit
+def _balanced_splits(seq_lens_ptr, seq_len, batch, num_splits, BLOCK_N: tl.constexpr):
+    """Balanced mode: (split length, splits used by a sequence of ``seq_len``). The split length is the
+    batch's longest sequence over ``num_splits``, in whole key tiles; every program of the grid finds the
+    same one (the lengths are a few hundred bytes in L2)."""
+    offsets = tl.arange(0, _LONGEST_BLOCK)
+    longest = tl.max(tl.load(seq_lens_ptr + offsets, mask=offsets < batch, other=0), axis=0)
+    for start in range(_LONGEST_BLOCK, batch, _LONGEST_BLOCK):
+        lens = tl.load(seq_lens_ptr + start + offsets, mask=start + offsets < batch, other=0)
+        longest = tl.maximum(longest, tl.max(lens, axis=0))
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(longest, num_splits), BLOCK_N), 1) * BLOCK_N
+    return split_len, tl.maximum(tl.cdiv(seq_len, split_len), 1)
+
+
 # Triton compiles a separate variant of a kernel for each class of value of its integer arguments (1,
 # a multiple of 16, other). The arguments that change from batch to batch (the split count, the
 # block-table width) are left out of that, so that a new combination met in the middle of a run does
@@ -469,9 +497,9 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Splits are sized on the device from this sequence's length (whole key tiles), so the grid only
-    # depends on static shapes. The merge-kernel mode keeps every grid split (those past the end have
-    # an empty range); the fused mode uses only as many as the sequence needs.
+    # Splits are sized on the device (whole key tiles), so the grid only depends on static shapes. The
+    # merge-kernel mode keeps every grid split (those past the end have an empty range); the fused and
+    # balanced modes use only as many as the sequence needs.
     if MODE == _MODE_FUSED:
         tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits), MIN_SPLIT_TILES)
         split_len = tiles_per_split * BLOCK_N
@@ -479,6 +507,9 @@ def _decode_kernel(
     elif MODE == _MODE_MERGE_KERNEL:
         split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         used_splits = num_splits
+    elif MODE == _MODE_BALANCED:
+        batch = tl.num_programs(0)
+        split_len, used_splits = _balanced_splits(seq_lens_ptr, seq_len, batch, num_splits, BLOCK_N)
     else:
         split_len = seq_len
         used_splits = 1
@@ -524,6 +555,11 @@ def _decode_kernel(
         elif used_splits == 1:
             out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        elif MODE == _MODE_BALANCED:
+            _store_partial(
+                partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split, group,
+                num_splits, HEAD_DIM,
+            )  # fmt: skip
         else:
             _store_partial(
                 partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split, group,
@@ -554,25 +590,34 @@ def _decode_merge_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
+    seq_lens_ptr,
     num_splits,
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BALANCED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One program = one (sequence, query head): log-sum-exp weighted sum of the split outputs."""
+    """One program = one (sequence, query head): log-sum-exp weighted sum of the split outputs (in
+    balanced mode, of the splits the sequence used; one split has written the output itself)."""
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    splits = tl.arange(0, BLOCK_S)
-    part_rows = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
-    merged = _merge_partials(
-        partial_out_ptr, partial_lse_ptr, part_rows, splits < num_splits, HEAD_DIM, False
-    )
-    out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + tl.arange(0, HEAD_DIM)
-    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
+    used_splits = num_splits
+    if BALANCED:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        _, used_splits = _balanced_splits(seq_lens_ptr, seq_len, tl.num_programs(0), num_splits, BLOCK_N)
+    if used_splits > 1:
+        splits = tl.arange(0, BLOCK_S)
+        part_rows = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
+        merged = _merge_partials(
+            partial_out_ptr, partial_lse_ptr, part_rows, splits < used_splits, HEAD_DIM, False
+        )
+        out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + tl.arange(0, HEAD_DIM)
+        tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -602,13 +647,14 @@ def decode_num_splits(
     enough (sequence, kv head, split) programs to keep every multiprocessor busy, never more splits
     than the context has (minimum-size) splits."""
     programs = max(1, batch * num_kv_heads)
-    if programs >= _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
-        return 1
-    wanted = triton.cdiv(config.target_programs_per_sm * num_sms, programs)
     min_tiles = config.min_split_tiles if config.mode == "fused" else 1
     usable = max(1, triton.cdiv(max_context, config.block_n * min_tiles))
-    splits = min(wanted, usable, config.max_splits)
-    if config.mode == "merge_kernel":
+    floor = min(config.min_splits, usable) if config.mode == "balanced" else 1
+    if programs >= _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
+        return floor
+    wanted = triton.cdiv(config.target_programs_per_sm * num_sms, programs)
+    splits = max(min(wanted, usable, config.max_splits), floor)
+    if config.mode != "fused":
         return 1 << (splits.bit_length() - 1)  # round down to a power of two
     return splits
 
@@ -745,7 +791,7 @@ def _launch_decode(
         partial_out = partial_lse = out  # unused by the kernel
         counters = seq_lens
     else:
-        mode = (_MODE_FUSED if config.mode == "fused" else _MODE_MERGE_KERNEL).value
+        mode = _MODES[config.mode].value
         workspace = _decode_workspace(
             workspace, batch, num_heads, num_kv_heads, head_dim, num_splits, query.device
         )
@@ -788,16 +834,19 @@ def _launch_decode(
         **options,
         **register_cap,
     )
-    if mode == _MODE_MERGE_KERNEL.value:
+    if mode in (_MODE_MERGE_KERNEL.value, _MODE_BALANCED.value):
         _decode_merge_kernel[(batch, num_heads)](
             partial_out,
             partial_lse,
             out,
+            seq_lens,
             num_splits,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
+            BLOCK_N=config.block_n,
             BLOCK_S=block_s,
+            BALANCED=mode == _MODE_BALANCED.value,
             USE_PDL=pdl,
             num_warps=4,
             **options,

@@ -93,6 +93,9 @@ DECODE_CONFIGS = {
     "fused_small_tiles": dict(block_n=16, min_split_tiles=2),
     # A register cap is a compiler option (the interpreter ignores it): the results must not change.
     "merge_capped_registers": dict(mode="merge_kernel", block_n=16, num_warps=1, max_registers=128),
+    # One split length for the batch: short sequences use fewer splits, and one split writes directly.
+    "balanced": dict(mode="balanced", block_n=16),
+    "balanced_min_splits": dict(mode="balanced", block_n=16, min_splits=4),
 }
 
 
@@ -109,6 +112,7 @@ def _decode_config(kernels, name):
 DECODE_VARIANTS = [(name, False) for name in sorted(DECODE_CONFIGS)] + [
     ("default", True),
     ("merge_kernel", True),
+    ("balanced", True),
 ]
 
 
@@ -183,8 +187,42 @@ def test_fused_decode_splits_short_contexts_on_the_device():
     assert rel_error(out, ref) < _attention_tolerance(DTYPE)
 
 
+def test_balanced_decode_splits_follow_the_longest_sequence():
+    kernels = _kernels()
+    config = kernels.DecodeConfig(mode="balanced", block_n=16, min_splits=4)
+    # However full the grid, balanced mode keeps its minimum split count (a power of two).
+    assert kernels.decode_num_splits(256, 8, 4096, 132, config) == 4
+    assert kernels.decode_num_splits(256, 8, 32, 132, config) == 2  # never more than the context's tiles
+    assert kernels.decode_num_splits(256, 8, 4096, 132, kernels.DecodeConfig(mode="balanced")) == 1
+    assert kernels.decode_num_splits(8, 8, 4096, 132, kernels.DecodeConfig(mode="balanced")) == 8
+    # A batch of mixed lengths: the longest uses every split, the shortest one (written directly), and a
+    # batch longer than one block of lengths (the kernel scans them all for the longest).
+    gen = generator(12)
+    seq_lens = [3] * 300 + [640, 0, 17, 300]
+    batch = len(seq_lens)
+    tables, num_blocks = random_tables(gen, seq_lens, 16)
+    k_cache, v_cache = random_cache(gen, num_blocks, 16, 1, 32, DTYPE)
+    query = randn(gen, batch, 2, 32, dtype=DTYPE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(query, float("nan"))
+    kernels.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, out=out, config=config)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, 0.125)
+    assert not out.isnan().any()
+    assert rel_error(out, ref) < _attention_tolerance(DTYPE)
+    assert torch.equal(out[batch - 3], torch.zeros_like(out[batch - 3]))
+
+
+def test_decode_config_rejects_a_bad_mode_or_split_floor():
+    kernels = _kernels()
+    with pytest.raises(ValueError, match="DecodeConfig.mode"):
+        kernels.DecodeConfig(mode="even")
+    with pytest.raises(ValueError, match="DecodeConfig.min_splits"):
+        kernels.DecodeConfig(mode="balanced", min_splits=128)
+
+
 @gpu_only
-@pytest.mark.parametrize("config_name", ["fused", "merge_kernel"])
+@pytest.mark.parametrize("config_name", ["fused", "merge_kernel", "balanced"])
 def test_paged_decode_with_workspace_replays_in_cuda_graph(config_name):
     kernels = _kernels()
     config = _decode_config(kernels, config_name)
