@@ -472,8 +472,8 @@ def decode_configs(quick: bool) -> dict:
 
 def balanced_decode_configs() -> dict:
     """Balanced-mode variants (one split length per batch, from its longest sequence): the bf16 tiles,
-    FP8's four-warp tiles and its capped one-warp tiles, each with a floor of 1, 2 or 4 splits and a
-    split target of 4 or 8 programs per SM."""
+    FP8's four-warp tiles and its capped one-warp tiles, each with a floor of 1, 2 or 4 splits (the
+    one-warp tiles up to 16) and a split target of 4 or 8 programs per SM."""
     tiles = {
         "n64": {},
         "n32": {"block_n": 32},
@@ -482,7 +482,7 @@ def balanced_decode_configs() -> dict:
     configs = {"balanced": K.attn.DecodeConfig(mode="balanced")}
     for tile, spec in tiles.items():
         for target in (4, 8):
-            for floor in (1, 2, 4):
+            for floor in (1, 2, 4, 8, 16) if tile.startswith("n16") else (1, 2, 4):
                 configs[f"balanced_{tile}_t{target}_m{floor}"] = K.attn.DecodeConfig(
                     mode="balanced", target_programs_per_sm=target, min_splits=floor, **spec
                 )
@@ -1016,11 +1016,16 @@ def workload_decode_lengths(batch: int, seed: int = 0, num_seqs: int = 256) -> l
 
 
 def previous_decode_config(batch: int, fp8: bool):
-    """The engine's decode configuration before balanced mode (tree 89acc5d), as the baseline."""
+    """The engine's decode configuration before balanced mode (tree 89acc5d, FP8 full grids: 16-key
+    one-warp tiles capped at 128 registers, unsplit; FP8 below 12 programs per SM: 32-key tiles)."""
     programs = batch * KV_HEADS
     if not fp8 or programs < 3 * num_sms():
         return K.attn.MERGE_KERNEL_DECODE
-    return K.attn.FP8_FULL_GRID_DECODE if programs >= 12 * num_sms() else K.attn.FP8_DECODE
+    if programs >= 12 * num_sms():
+        return K.attn.DecodeConfig(
+            mode="merge_kernel", block_n=16, num_warps=1, num_stages=3, max_registers=128
+        )
+    return K.attn.DecodeConfig(block_n=32)
 
 
 def time_decode_mixed(gen, quick):

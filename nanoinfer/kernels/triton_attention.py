@@ -92,18 +92,16 @@ MERGE_KERNEL_DECODE = DecodeConfig(mode="merge_kernel")
 # One launch, but slower at the batches that split (H200, 4096-wide tables, PDL: 9.8 against 7.9 us per
 # layer at batch 1 x 600, 15.0 against 11.2 at batch 8).
 FUSED_DECODE = DecodeConfig()
-# Against an FP8 cache (H200, Qwen3-0.6B shape, docs/benchmarks.md): 32-key tiles with four warps until
-# the grid is full (64 x 1024: 63.9 us, against 95 for the capped one-warp tiles below). A full grid:
-# 16-key one-warp tiles capped at 128 registers per thread (220 without the cap, so 9 programs per SM;
-# 16 with it, 24 bytes spilled): 171.8 against 197.2 us at 256 x 1024 (gpu_kernels_h200_run40.json).
-# Split grids merge in a second kernel, as bf16's do: the capped tiles won there too in the kernel
-# benchmark (11.7 against 13.3 us at 8 x 600), but the engine's steps of 9-64 rows took 1.2-1.8x longer
-# with them (run 41).
-FP8_DECODE = DecodeConfig(block_n=32)
-FP8_FULL_GRID_DECODE = DecodeConfig(
-    mode="merge_kernel", block_n=16, num_warps=1, num_stages=3, max_registers=128
+# Against an FP8 cache, once the grid holds 3 programs per SM: 16-key one-warp tiles capped at 128
+# registers per thread (220 without the cap: 9 programs per SM; 16 with it, 24 bytes spilled), in
+# balanced mode with at least 4 splits. Those small programs fill the GPU in one wave, so without splits
+# a step waits for its longest sequence: over the bench workload's mixed lengths (H200, Qwen3-0.6B shape,
+# gpu_kernels.py --only decode_mixed, docs/benchmarks.md) 160 against 172 us at batch 256, 133 against
+# 163 at 128, 86 against 102 at 64 (the previous defaults: these tiles unsplit at 256 rows, 32-key
+# four-warp tiles below). Split grids merge in a second kernel, as bf16's do.
+FP8_BALANCED_DECODE = DecodeConfig(
+    mode="balanced", block_n=16, num_warps=1, num_stages=3, max_registers=128, min_splits=4
 )
-_FULL_GRID_PROGRAMS_PER_SM = 12
 
 
 @dataclass(frozen=True)
@@ -632,12 +630,12 @@ def default_decode_config(
     """The configuration ``paged_decode_attention`` uses when it is given none: a grid that needs splits
     (fewer than 3 programs per SM) merges them in a second kernel, whatever the cache's dtype (H200,
     Qwen3-0.6B shape, 4096-wide tables, PDL: 7.9 against 9.8 us per layer for the fused merge at batch
-    1 x 600, 11.2 against 15.0 at batch 8); against an FP8 cache, see ``FP8_DECODE``."""
+    1 x 600, 11.2 against 15.0 at batch 8); a fuller grid against an FP8 cache: ``FP8_BALANCED_DECODE``
+    (bf16's 64-key four-warp tiles, unsplit, run at 3.8-4.0 TB/s on the same mixed lengths, which no
+    balanced variant beat)."""
     if cache_dtype != FP8_DTYPE or batch * num_kv_heads < _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
         return MERGE_KERNEL_DECODE
-    if batch * num_kv_heads >= _FULL_GRID_PROGRAMS_PER_SM * num_sms:
-        return FP8_FULL_GRID_DECODE
-    return FP8_DECODE
+    return FP8_BALANCED_DECODE
 
 
 def decode_num_splits(

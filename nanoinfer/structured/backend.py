@@ -40,8 +40,9 @@ import abc
 import json
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
@@ -199,6 +200,18 @@ def set_only(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
 
 
 BACKENDS = ("auto", "llguidance", "xgrammar")
+# Compiled constraints a GrammarCompiler keeps for the requests that repeat them.
+COMPILED_KEPT = 64
+
+
+def _constraint_text(params: StructuredOutputsParams) -> str | tuple[str, ...] | None:
+    """What a constraint of ``params.kind`` compiles from."""
+    kind = params.kind
+    if kind == "json":
+        return params.schema_text
+    if kind == "choice":
+        return tuple(params.choice)
+    return {"regex": params.regex, "grammar": params.grammar}.get(kind)
 
 
 class GrammarCompiler:
@@ -263,10 +276,43 @@ class GrammarCompiler:
         self._executor: llguidance.LLExecutor | None = None
         self._xgrammar: XGrammarCompiler | None = None
         self._xgrammar_lock = threading.Lock()
+        # The frontend's validation and the engine's compilation may share one compiler (one process).
+        self._compiled: OrderedDict[tuple, str | Any] = OrderedDict()
+        self._compiled_lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> Grammar:
         """A fresh matcher for one request. Raises ValueError naming the field when the schema, regex
-        or grammar is invalid, uses something llguidance does not implement, or exceeds the limits."""
+        or grammar is invalid, uses something llguidance does not implement, or exceeds the limits.
+
+        What a valid constraint compiles to is kept (the last ``COMPILED_KEPT``): requests of a
+        pipeline or a served tool repeat their schema, and its validation and conversion (1-2 ms for
+        a nested schema) would otherwise be paid by every request, in the engine's add_request."""
+        key = (params.kind, _constraint_text(params), params.disable_any_whitespace)
+        with self._compiled_lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+        if compiled is not None:
+            return self._matcher(params, compiled)
+        compiled = self._compile(params)
+        grammar = self._matcher(params, compiled)  # an invalid constraint raises here, and is not kept
+        with self._compiled_lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return grammar
+
+    def _matcher(self, params: StructuredOutputsParams, compiled: str | Any) -> Grammar:
+        if not isinstance(compiled, str):
+            return self._xgrammar.matcher(compiled)
+        matcher = llguidance.LLMatcher(self._tokenizer, compiled, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            message = _first_lines(matcher.get_error())
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {message}")
+        return LLGuidanceGrammar(matcher, self.vocab_size, self.eos_token_ids)
+
+    def _compile(self, params: StructuredOutputsParams) -> str | Any:
+        """llguidance's grammar text of a constraint, or xgrammar's compiled grammar of a JSON one."""
         field = params.kind
         try:
             grammar = self._grammar_text(params)
@@ -277,16 +323,13 @@ class GrammarCompiler:
             # llguidance parses the schema text with a nesting limit of 128 levels.
             raise ValueError(f"structured_outputs.{field} is invalid: {_first_lines(message)}") from None
         if field in ("json", "json_object") and self.backend != "llguidance":
-            matcher = self._compile_xgrammar(params, grammar)
-            if matcher is not None:
-                return matcher
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs.{field} is invalid: {_first_lines(matcher.get_error())}")
-        return LLGuidanceGrammar(matcher, self.vocab_size, self.eos_token_ids)
+            compiled = self._compile_xgrammar(params, grammar)
+            if compiled is not None:
+                return compiled
+        return grammar
 
-    def _compile_xgrammar(self, params: StructuredOutputsParams, grammar: str) -> Grammar | None:
-        """The xgrammar matcher of a JSON constraint, or None where llguidance should compile it."""
+    def _compile_xgrammar(self, params: StructuredOutputsParams, grammar: str) -> Any | None:
+        """xgrammar's compiled grammar of a JSON constraint, or None where llguidance should compile it."""
         # llguidance validates (without building its lexer: tens of microseconds), so that the schemas
         # accepted and the errors do not depend on the backend.
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
@@ -306,7 +349,7 @@ class GrammarCompiler:
         if compiler is None:
             return None
         try:
-            return compiler.compile_json(schema_text, not params.disable_any_whitespace)
+            return compiler.compile_json_grammar(schema_text, not params.disable_any_whitespace)
         except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeErrors of its FFI, among others)
             message = _first_lines(str(e)) or type(e).__name__
             if forced:

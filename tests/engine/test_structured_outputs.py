@@ -290,11 +290,11 @@ def test_async_scheduling_samples_a_constrained_step_after_preparing_the_next_an
     assert sampled_after.count(1) >= 20 and set(sampled_after) <= {0, 1}, sampled_after
 
 
-def test_the_grammar_processes_feed_and_fill_while_the_step_launches(tiny_qwen3, monkeypatch):
+def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qwen3, monkeypatch):
     """With the grammars in processes of their own (the CUDA default) and async scheduling, a
-    constrained step is launched with its feeding and fill already sent to the processes; the engine's
-    process never asks a grammar anything, the outputs stay valid, and the seeded tokens are those of a
-    run without async scheduling and with the grammars on the engine's thread."""
+    constrained step's feeding and fill are sent to the processes once its forward pass is launched;
+    the engine's process never asks a grammar anything, the outputs stay valid, and the seeded tokens
+    are those of a run without async scheduling and with the grammars on the engine's thread."""
     from nanoinfer.structured.backend import LLGuidanceGrammar
     from nanoinfer.structured.xgrammar_backend import XGrammarGrammar
 
@@ -313,22 +313,29 @@ def test_the_grammar_processes_feed_and_fill_while_the_step_launches(tiny_qwen3,
     llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, num_grammar_processes=2, max_num_seqs=8)
     try:
         core = llm.llm_engine.engine_core
-        launched_filling: list[bool] = []
+        launched: list = []  # the steps launched with their sampling deferred
+        filled_in_flight: list[bool] = []
         launch = core.executor.launch
+        start_bitmask = core.structured_outputs.start_bitmask
 
         def logged_launch(out, prepared, defer_sampling=False):
             if defer_sampling:
-                pending = core._pending_bitmask
-                launched_filling.append(pending is not None and pending[0] is out)
+                launched.append(out)
             return launch(out, prepared, defer_sampling)
 
+        def logged_start_bitmask(grammars, feeds):
+            # The bitmask being started is that of the step just launched, now in flight.
+            filled_in_flight.append(bool(launched) and core._in_flight[0] is launched[-1])
+            return start_bitmask(grammars, feeds)
+
         core.executor.launch = logged_launch
+        core.structured_outputs.start_bitmask = logged_start_bitmask
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         for output, kind in zip(outputs, MIXED_KINDS, strict=False):
             if output.outputs[0].finish_reason == "stop":
                 CHECKS[kind][1](output.outputs[0].text)
-        assert len(launched_filling) >= 20 and all(launched_filling), launched_filling
+        assert len(filled_in_flight) >= 20 and all(filled_in_flight), filled_in_flight
         assert asked_here == []
         assert llm.llm_engine.stats()["structured_mask_steps"] >= 20
         _no_leak(llm)

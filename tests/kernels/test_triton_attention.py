@@ -162,8 +162,9 @@ def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
     for dtype in (DTYPE, FP8_DTYPE):
         assert kernels.default_decode_config(8, 8, dtype) is kernels.MERGE_KERNEL_DECODE
     assert kernels.default_decode_config(256, 8, DTYPE) is kernels.MERGE_KERNEL_DECODE
-    assert kernels.default_decode_config(64, 8, FP8_DTYPE) is kernels.FP8_DECODE
-    assert kernels.default_decode_config(256, 8, FP8_DTYPE) is kernels.FP8_FULL_GRID_DECODE
+    for batch in (50, 64, 256):
+        assert kernels.default_decode_config(batch, 8, FP8_DTYPE) is kernels.FP8_BALANCED_DECODE
+    assert kernels.default_decode_config(49, 8, FP8_DTYPE) is kernels.MERGE_KERNEL_DECODE
 
 
 def test_fused_decode_splits_short_contexts_on_the_device():

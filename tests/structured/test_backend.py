@@ -244,6 +244,39 @@ def test_fill_bitmasks_in_parallel_equals_one_by_one(tiny_json):
         compiler.fill_bitmasks([(grammars[0], 0), (grammars[1], 0)], parallel)
 
 
+@pytest.mark.parametrize("backend_name", ["auto", *JSON_BACKENDS])
+def test_a_repeated_constraint_is_compiled_once_into_independent_matchers(
+    tiny_compilers, backend_name, monkeypatch
+):
+    tokenizer, _ = tiny_compilers
+    compiler = GrammarCompiler(tokenizer, TINY_VOCAB, backend=backend_name)
+    monkeypatch.setattr(backend, "COMPILED_KEPT", 4)
+    compiled = []
+    original = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda params: compiled.append(params) or original(params))
+    params = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json=json.dumps(SCHEMA))]
+    first, second = (compiler.compile(p) for p in params)  # a dict and its text: one constraint
+    assert len(compiled) == 1
+    tokens = tokenizer.encode(VALID_TEXT, add_special_tokens=False)
+    for token in tokens:
+        assert first.accept_token(token)
+    assert first.is_terminated() and not second.is_terminated() and second.num_accepted == 0
+    for token in tokens:
+        assert second.accept_token(token)
+    # Another whitespace rule, another kind, an invalid constraint (never kept: it fails every time).
+    compiler.compile(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=False))
+    compiler.compile(StructuredOutputsParams(regex="a+"))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            compiler.compile(StructuredOutputsParams(regex="a(?=b)"))
+    assert len(compiled) == 5
+    for n in range(5):
+        compiler.compile(StructuredOutputsParams(choice=[f"c{n}"]))
+    assert len(compiler._compiled) == 4
+    compiler.compile(params[0])  # evicted by the choices: compiled again
+    assert len(compiled) == 11
+
+
 def test_bad_bitmask_is_rejected(tiny):
     _, compiler = tiny
     grammar = compiler.compile(StructuredOutputsParams(regex="a+"))
