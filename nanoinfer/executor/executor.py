@@ -6,7 +6,7 @@ from nanoinfer.config import EngineConfig
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.structured_outputs import GrammarBitmask
 from nanoinfer.executor.input_batch import StepInputs, StepPlan
-from nanoinfer.executor.model_runner import ModelRunner, StepHandle
+from nanoinfer.executor.model_runner import ModelRunner, StagedInputs, StepHandle
 
 # A step's inputs as host arrays and its row bookkeeping, made before it is launched.
 PreparedStep = tuple[StepInputs, StepPlan]
@@ -28,13 +28,24 @@ class Executor:
         still be launched first (its tokens are this step's pending inputs)."""
         return self.runner.prepare(out)
 
-    def launch(
-        self, out: SchedulerOutput, prepared: PreparedStep, defer_sampling: bool = False
-    ) -> StepHandle:
-        """Launches a prepared step; the handle's result() waits for it. ``defer_sampling``: launch the
-        forward pass and the logits only; :meth:`sample` launches the rest."""
+    def stage(self, prepared: PreparedStep) -> StagedInputs | None:
+        """Copies a prepared step's inputs to the device now, for :meth:`launch`: while the step before
+        it waits for its masked sampling graph's replay (see ``ModelRunner.stage``)."""
         step, plan = prepared
-        return self.runner.execute(out, step, plan, defer_sampling)
+        return self.runner.stage(step, plan)
+
+    def launch(
+        self,
+        out: SchedulerOutput,
+        prepared: PreparedStep,
+        defer_sampling: bool = False,
+        staged_inputs: StagedInputs | None = None,
+    ) -> StepHandle:
+        """Launches a prepared step (its inputs copied now, or by :meth:`stage`); the handle's result()
+        waits for it. ``defer_sampling``: launch the forward pass and the logits only; :meth:`sample`
+        launches the rest."""
+        step, plan = prepared
+        return self.runner.execute(out, step, plan, defer_sampling, staged_inputs)
 
     def sample(self, handle: StepHandle, bitmask: GrammarBitmask | None) -> None:
         """Launches the sampling of a step executed with ``defer_sampling``, under ``bitmask``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -91,6 +92,16 @@ class StepHandle:
                 start += count
         result.failed_rows = {plan.sample_rows[row]: error for row, error in self.failed_rows.items()}
         return result
+
+
+@dataclass
+class StagedInputs:
+    """A step's inputs already in the persistent device buffers (all but its pending input tokens), and
+    the run :meth:`ModelRunner._route` chose for it."""
+
+    graph_bs: int | None
+    bucket: int | None
+    views: dict[str, torch.Tensor]  # the device views of the step's index arrays (``_stage``)
 
 
 class ModelRunner:
@@ -409,13 +420,32 @@ class ModelRunner:
         return self.input_batch.prepare(out)
 
     @torch.inference_mode()
+    def stage(self, step: StepInputs, plan: StepPlan | None) -> StagedInputs:
+        """Copies a step's inputs into the persistent device buffers, all but its pending input tokens
+        (those are the sampled tokens of the step before it, gathered by :meth:`execute`). Done before
+        that step's sampling is launched, it takes the copy off the path from one step's tokens to the
+        next step's forward pass. Safe only while that sampling reads none of these buffers, as a
+        deferred sampling does: its logits (or the forward graph's output) and its sampling inputs were
+        made when its step was launched."""
+        graph_bs, bucket = self._route(step)
+        return StagedInputs(graph_bs, bucket, self._load_inputs(step, plan, graph_bs, bucket))
+
+    @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, step: StepInputs, plan: StepPlan, defer_sampling: bool = False
+        self,
+        out: SchedulerOutput,
+        step: StepInputs,
+        plan: StepPlan,
+        defer_sampling: bool = False,
+        staged_inputs: StagedInputs | None = None,
     ) -> StepHandle:
         """Rank 0: launches the step (forward, logits, sampling) and returns without waiting for it.
-        ``defer_sampling``: stops after the logits; :meth:`sample` launches the rest."""
-        graph_bs, bucket = self._route(step)
-        staged = self._load_inputs(step, plan, graph_bs, bucket)
+        ``defer_sampling``: stops after the logits; :meth:`sample` launches the rest. ``staged_inputs``:
+        the step's :meth:`stage`, done earlier."""
+        if staged_inputs is None:
+            staged_inputs = self.stage(step, plan)
+        graph_bs, bucket, staged = staged_inputs.graph_bs, staged_inputs.bucket, staged_inputs.views
+        self._gather_pending_inputs(step, staged)
         handle = StepHandle(out, plan)
         batch = self.input_batch
         num_tokens = len(step.input_ids)
@@ -533,6 +563,7 @@ class ModelRunner:
         pair up), no sampling."""
         graph_bs, bucket = self._route(step)
         staged = self._load_inputs(step, None, graph_bs, bucket)
+        self._gather_pending_inputs(step, staged)
         hidden = self._run_model(step, staged, graph_bs, bucket)
         if step.prompt_logprob_index is not None:
             prompt_logprobs(hidden, staged["prompt_logprob_index"], [], [], self._compute_logits)
@@ -567,9 +598,10 @@ class ModelRunner:
     def _load_inputs(
         self, step: StepInputs, plan: StepPlan | None, graph_bs: int | None, bucket: int | None
     ) -> dict:
-        """Fills the persistent step buffers (block-table rows, pending input tokens included) for the
-        run that :meth:`_route` chose (padded to its graph's rows or bucket's tokens); returns the device
-        views of the step's index arrays (with ``plan``, rank 0's sampling rows too)."""
+        """Fills the persistent step buffers (block-table rows included, pending input tokens not: see
+        :meth:`_gather_pending_inputs`) for the run that :meth:`_route` chose (padded to its graph's
+        rows or bucket's tokens); returns the device views of the step's index arrays (with ``plan``,
+        rank 0's sampling rows too)."""
         b = self.buffers
         num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
         padded_rows = graph_bs or num_rows
@@ -578,12 +610,19 @@ class ModelRunner:
         if len(step.table_slots):
             batch.block_table[staging["table_slots"], staging["table_cols"]] = staging["table_block_ids"]
         b.block_tables[:padded_rows] = batch.block_table[staging["row_slots"]]
-        if len(step.pending_index):
-            if self.rank == 0:
-                b.input_ids[staging["pending_index"]] = batch.previous_sampled[staging["pending_source"]]
-            if self.tp_size > 1:
-                broadcast_from_rank0(b.input_ids[:num_tokens])
         return staging
+
+    def _gather_pending_inputs(self, step: StepInputs, staging: dict) -> None:
+        """The step's input tokens that the previous step sampled, from where its sampling left them
+        (rank 0), to every rank."""
+        if not len(step.pending_index):
+            return
+        b = self.buffers
+        if self.rank == 0:
+            sampled = self.input_batch.previous_sampled
+            b.input_ids[staging["pending_index"]] = sampled[staging["pending_source"]]
+        if self.tp_size > 1:
+            broadcast_from_rank0(b.input_ids[: len(step.input_ids)])
 
     def _run_model(
         self, step: StepInputs, staging: dict, graph_bs: int | None, bucket: int | None

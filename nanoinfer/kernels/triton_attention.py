@@ -92,15 +92,22 @@ MERGE_KERNEL_DECODE = DecodeConfig(mode="merge_kernel")
 # One launch, but slower at the batches that split (H200, 4096-wide tables, PDL: 9.8 against 7.9 us per
 # layer at batch 1 x 600, 15.0 against 11.2 at batch 8).
 FUSED_DECODE = DecodeConfig()
-# Against an FP8 cache, once the grid holds 3 programs per SM: 16-key one-warp tiles capped at 128
+# Against an FP8 cache, once the grid holds a program per SM: 16-key one-warp tiles capped at 128
 # registers per thread (220 without the cap: 9 programs per SM; 16 with it, 24 bytes spilled), in
-# balanced mode with at least 4 splits. Those small programs fill the GPU in one wave, so without splits
-# a step waits for its longest sequence: over the bench workload's mixed lengths (H200, Qwen3-0.6B shape,
-# gpu_kernels.py --only decode_mixed, docs/benchmarks.md) 160 against 172 us at batch 256, 133 against
-# 163 at 128, 86 against 102 at 64 (the previous defaults: these tiles unsplit at 256 rows, 32-key
-# four-warp tiles below). Split grids merge in a second kernel, as bf16's do.
+# balanced mode, split towards 64 programs per SM (at most 16 splits). Those small programs fill the GPU
+# in one wave, so unsplit a step waits for its longest sequence. Over the bench workload's mixed lengths
+# (H200, Qwen3-0.6B shape, gpu_kernels.py --only decode_mixed, docs/benchmarks.md), with the split
+# counts this gives: 160.6 against 174.4 us at batch 256 (4 splits), 125.7 against 161.9 at 128 (8),
+# 82.0 against 102.2 at 64 (16), 50.6 against 67.1 at 32 (16), against the previous defaults (these
+# tiles unsplit from 197 rows, 32-key four-warp tiles from 50, the two-kernel merge below).
 FP8_BALANCED_DECODE = DecodeConfig(
-    mode="balanced", block_n=16, num_warps=1, num_stages=3, max_registers=128, min_splits=4
+    mode="balanced",
+    block_n=16,
+    num_warps=1,
+    num_stages=3,
+    max_registers=128,
+    target_programs_per_sm=64,
+    max_splits=16,
 )
 
 
@@ -630,12 +637,13 @@ def default_decode_config(
     """The configuration ``paged_decode_attention`` uses when it is given none: a grid that needs splits
     (fewer than 3 programs per SM) merges them in a second kernel, whatever the cache's dtype (H200,
     Qwen3-0.6B shape, 4096-wide tables, PDL: 7.9 against 9.8 us per layer for the fused merge at batch
-    1 x 600, 11.2 against 15.0 at batch 8); a fuller grid against an FP8 cache: ``FP8_BALANCED_DECODE``
-    (bf16's 64-key four-warp tiles, unsplit, run at 3.8-4.0 TB/s on the same mixed lengths, which no
-    balanced variant beat)."""
-    if cache_dtype != FP8_DTYPE or batch * num_kv_heads < _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
-        return MERGE_KERNEL_DECODE
-    return FP8_BALANCED_DECODE
+    1 x 600, 11.2 against 15.0 at batch 8); against an FP8 cache, a grid of a program per SM or more:
+    ``FP8_BALANCED_DECODE``. bf16's 64-key four-warp tiles, unsplit from 3 programs per SM, run at
+    3.8-4.0 TB/s on the bench workload's mixed lengths, which no balanced variant beat."""
+    programs = batch * num_kv_heads
+    if cache_dtype == FP8_DTYPE and programs >= num_sms:
+        return FP8_BALANCED_DECODE
+    return MERGE_KERNEL_DECODE
 
 
 def decode_num_splits(
@@ -647,11 +655,14 @@ def decode_num_splits(
     programs = max(1, batch * num_kv_heads)
     min_tiles = config.min_split_tiles if config.mode == "fused" else 1
     usable = max(1, triton.cdiv(max_context, config.block_n * min_tiles))
-    floor = min(config.min_splits, usable) if config.mode == "balanced" else 1
-    if programs >= _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
-        return floor
+    balanced = config.mode == "balanced"
+    # Balanced mode splits however full the grid is: its short sequences add no programs.
+    if programs >= _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms and not balanced:
+        return 1
     wanted = triton.cdiv(config.target_programs_per_sm * num_sms, programs)
-    splits = max(min(wanted, usable, config.max_splits), floor)
+    splits = min(wanted, usable, config.max_splits)
+    if balanced:
+        splits = max(splits, min(config.min_splits, usable))
     if config.mode != "fused":
         return 1 << (splits.bit_length() - 1)  # round down to a power of two
     return splits

@@ -290,11 +290,12 @@ def test_async_scheduling_samples_a_constrained_step_after_preparing_the_next_an
     assert sampled_after.count(1) >= 20 and set(sampled_after) <= {0, 1}, sampled_after
 
 
-def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qwen3, monkeypatch):
+def test_the_grammar_processes_feed_and_fill_while_the_step_launches(tiny_qwen3, monkeypatch):
     """With the grammars in processes of their own (the CUDA default) and async scheduling, a
-    constrained step's feeding and fill are sent to the processes once its forward pass is launched;
-    the engine's process never asks a grammar anything, the outputs stay valid, and the seeded tokens
-    are those of a run without async scheduling and with the grammars on the engine's thread."""
+    constrained step is launched with its feeding and fill already sent to the processes, and its inputs
+    copied to the device before the previous step's sampling (which waited for its bitmask); the
+    engine's process never asks a grammar anything, the outputs stay valid, and the seeded tokens are
+    those of a run without async scheduling and with the grammars on the engine's thread."""
     from nanoinfer.structured.backend import LLGuidanceGrammar
     from nanoinfer.structured.xgrammar_backend import XGrammarGrammar
 
@@ -313,29 +314,25 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
     llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, num_grammar_processes=2, max_num_seqs=8)
     try:
         core = llm.llm_engine.engine_core
-        launched: list = []  # the steps launched with their sampling deferred
-        filled_in_flight: list[bool] = []
+        launched_filling: list[bool] = []
+        launched_staged: list[bool] = []  # all but the first constrained step's, whose previous samples
         launch = core.executor.launch
-        start_bitmask = core.structured_outputs.start_bitmask
 
-        def logged_launch(out, prepared, defer_sampling=False):
+        def logged_launch(out, prepared, defer_sampling=False, staged_inputs=None):
             if defer_sampling:
-                launched.append(out)
-            return launch(out, prepared, defer_sampling)
-
-        def logged_start_bitmask(grammars, feeds):
-            # The bitmask being started is that of the step just launched, now in flight.
-            filled_in_flight.append(bool(launched) and core._in_flight[0] is launched[-1])
-            return start_bitmask(grammars, feeds)
+                pending = core._pending_bitmask
+                launched_filling.append(pending is not None and pending[0] is out)
+                launched_staged.append(staged_inputs is not None)
+            return launch(out, prepared, defer_sampling, staged_inputs)
 
         core.executor.launch = logged_launch
-        core.structured_outputs.start_bitmask = logged_start_bitmask
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         for output, kind in zip(outputs, MIXED_KINDS, strict=False):
             if output.outputs[0].finish_reason == "stop":
                 CHECKS[kind][1](output.outputs[0].text)
-        assert len(filled_in_flight) >= 20 and all(filled_in_flight), filled_in_flight
+        assert len(launched_filling) >= 20 and all(launched_filling), launched_filling
+        assert sum(launched_staged) >= len(launched_staged) - 2, launched_staged
         assert asked_here == []
         assert llm.llm_engine.stats()["structured_mask_steps"] >= 20
         _no_leak(llm)
@@ -376,11 +373,11 @@ def test_a_dead_grammar_process_fails_its_own_requests_alone_and_is_started_agai
         launch = core.executor.launch
         launches = []
 
-        def launch_then_kill(out, prepared, defer_sampling=False):
+        def launch_then_kill(out, prepared, defer_sampling=False, staged_inputs=None):
             launches.append(out)
             if len(launches) == 2:  # the first decoding step: no request has ended yet
                 core.structured_outputs._processes.processes[0]._process.kill()
-            return launch(out, prepared, defer_sampling)
+            return launch(out, prepared, defer_sampling, staged_inputs)
 
         core.executor.launch = launch_then_kill
         outputs = llm.generate(prompts, params, use_tqdm=False)

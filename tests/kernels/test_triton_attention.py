@@ -96,6 +96,7 @@ DECODE_CONFIGS = {
     # One split length for the batch: short sequences use fewer splits, and one split writes directly.
     "balanced": dict(mode="balanced", block_n=16),
     "balanced_min_splits": dict(mode="balanced", block_n=16, min_splits=4),
+    "fp8_balanced": "FP8_BALANCED_DECODE",
 }
 
 
@@ -113,6 +114,7 @@ DECODE_VARIANTS = [(name, False) for name in sorted(DECODE_CONFIGS)] + [
     ("default", True),
     ("merge_kernel", True),
     ("balanced", True),
+    ("fp8_balanced", True),
 ]
 
 
@@ -162,9 +164,14 @@ def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
     for dtype in (DTYPE, FP8_DTYPE):
         assert kernels.default_decode_config(8, 8, dtype) is kernels.MERGE_KERNEL_DECODE
     assert kernels.default_decode_config(256, 8, DTYPE) is kernels.MERGE_KERNEL_DECODE
-    for batch in (50, 64, 256):
+    for batch in (17, 64, 256):
         assert kernels.default_decode_config(batch, 8, FP8_DTYPE) is kernels.FP8_BALANCED_DECODE
-    assert kernels.default_decode_config(49, 8, FP8_DTYPE) is kernels.MERGE_KERNEL_DECODE
+    assert kernels.default_decode_config(16, 8, FP8_DTYPE) is kernels.MERGE_KERNEL_DECODE
+    # Towards 64 programs per SM, 16 splits at most (powers of two).
+    splits = [
+        kernels.decode_num_splits(b, 8, 4096, 132, kernels.FP8_BALANCED_DECODE) for b in (24, 64, 128, 256)
+    ]
+    assert splits == [16, 16, 8, 4]
 
 
 def test_fused_decode_splits_short_contexts_on_the_device():

@@ -8,7 +8,7 @@ import torch
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.executor.executor import Executor, PreparedStep
-from nanoinfer.executor.model_runner import ModelRunner, StepHandle
+from nanoinfer.executor.model_runner import ModelRunner, StagedInputs, StepHandle
 from nanoinfer.executor.tp.workers import TensorParallelWorkers
 
 
@@ -46,13 +46,21 @@ class TensorParallelExecutor(Executor):
         with self.workers.running_step():
             self.workers.wait_for_device(event)
 
+    def stage(self, prepared: PreparedStep) -> None:
+        """Nothing early: the workers copy their inputs when the step is sent to them."""
+        return None
+
     def launch(
-        self, out: SchedulerOutput, prepared: PreparedStep, defer_sampling: bool = False
+        self,
+        out: SchedulerOutput,
+        prepared: PreparedStep,
+        defer_sampling: bool = False,
+        staged_inputs: StagedInputs | None = None,
     ) -> StepHandle:
         step, plan = prepared
         with self.workers.running_step():
             self.workers.send(step)
-            return self.runner.execute(out, step, plan, defer_sampling)
+            return self.runner.execute(out, step, plan, defer_sampling, staged_inputs)
 
     def close(self) -> None:
         """Stops the workers and leaves the process group; frees the graphs first, since they hold the
