@@ -6,10 +6,11 @@ schedules and launches step n+1, then waits for step n and turns its result into
 host's work for one step overlaps the device's for the other. Step n+1's input for a decoding request is
 step n's sampled token, which stays on the device. A request that step n finished has a row in step
 n+1 that is wasted: its token is dropped. A step with structured-outputs rows is launched with its
-sampling deferred, once step n's tokens are on the host: the grammar processes feed them to the grammars
-and fill step n+1's bitmask meanwhile; the next call schedules and prepares step n+2 and copies its
-inputs to the device, then takes the bitmask and launches step n+1's sampling, then step n+2's forward
-pass (see engine/structured_outputs.py).
+sampling deferred; once step n's tokens are on the host (taken just after that launch), the grammar
+processes feed them to the grammars and fill step n+1's bitmask while the device runs step n+1's forward
+pass. The next call schedules step n+2 and copies its inputs to the device meanwhile, then takes the
+bitmask and launches step n+1's sampling and, right after it, step n+2 (see
+engine/structured_outputs.py).
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ class EngineCore:
                 self._sample_structured(out, handle)
             return self._finish_step(out, handle)
         previous, self._in_flight = self._in_flight, None
-        previous_result = None
+        deferred = previous is not None and previous[1].deferred is not None
         staged_inputs = None
-        if previous is not None and previous[1].deferred is not None:
+        if deferred:
             if prepared is not None:
                 # While the grammar processes finish the previous step's bitmask: this step's inputs go to
                 # the device now (that deferred sampling reads none of their buffers), so that only the
@@ -123,26 +124,26 @@ class EngineCore:
                 staged_inputs = self.executor.stage(prepared)
             # The previous step's sampling waited for its bitmask; its tokens are this step's inputs.
             self._sample_structured(*previous)
-            if constrained:
-                # They also advance the grammars that this step's bitmask is made from: taken now, they
-                # let the grammars advance and the bitmask fill in the grammar processes while this step's
-                # forward pass is launched and the previous step's outputs are made, not after them.
-                previous_result = previous[1].result()
-        handle = None
-        fed = False  # the previous step's tokens are being fed with this step's fill
         if prepared is not None:
-            if constrained:
-                feeds = []
-                if previous_result is not None:
-                    feeds = self.scheduler.grammar_feeds(previous[0], previous_result)
-                grammars = self._grammars(out)
-                if grammars:
-                    self._pending_bitmask = (out, self.structured_outputs.start_bitmask(grammars, feeds))
-                    fed = previous_result is not None
-                elif previous_result is not None:
-                    previous[0].grammar_results = self.structured_outputs.feed(feeds)
-            handle = self.executor.launch(out, prepared, constrained, staged_inputs)
-            self._in_flight = (out, handle)
+            # Launched right after the sampling it follows, so that the device goes from one to the other.
+            self._in_flight = (out, self.executor.launch(out, prepared, constrained, staged_inputs))
+        previous_result = None
+        fed = False  # the previous step's tokens are being fed with this step's fill
+        if constrained:
+            feeds = []
+            if deferred:
+                # The previous step's tokens also advance the grammars that this step's bitmask is made
+                # from: taken as soon as this step is launched, so that the grammars advance and the bitmask
+                # fills in the grammar processes while the device runs its forward pass and the previous
+                # step's outputs are made.
+                previous_result = previous[1].result()
+                feeds = self.scheduler.grammar_feeds(previous[0], previous_result)
+            grammars = self._grammars(out)
+            if grammars:
+                self._pending_bitmask = (out, self.structured_outputs.start_bitmask(grammars, feeds))
+                fed = previous_result is not None
+            elif previous_result is not None:
+                previous[0].grammar_results = self.structured_outputs.feed(feeds)
         if previous is None:
             return EngineCoreOutputs()
         if fed:

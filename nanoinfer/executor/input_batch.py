@@ -103,6 +103,9 @@ class InputBatch:
         # slots that read the generated tokens (penalties, bad_words).
         self.logit_controls: list[RowLogitControls | None] = [None] * max_num_seqs
         self.needs_output_ids = np.zeros(max_num_seqs, dtype=bool)
+        # Slots whose request uses min_tokens, a logit control, or reads its generated tokens: a batch of
+        # none of them (plain temperature sampling) skips the per-row lists of sampling_metadata.
+        self.needs_row_lists = np.zeros(max_num_seqs, dtype=bool)
         # The previous step's sampled tokens (on the device) and which request each row was.
         self.previous_sampled: torch.Tensor | None = None
         self.previous_sample_row: dict[str, int] = {}
@@ -131,6 +134,9 @@ class InputBatch:
         self.prompt_ids[slot] = new.distinct_prompt_ids
         self.logit_controls[slot] = RowLogitControls.from_params(p, self.device, self.to_device)
         self.needs_output_ids[slot] = p.needs_output_token_ids
+        self.needs_row_lists[slot] = (
+            p.needs_output_token_ids or self.logit_controls[slot] is not None or p.min_tokens > 0
+        )
         self.num_blocks[slot] = 0
         return slot
 
@@ -257,20 +263,26 @@ class InputBatch:
         each sampling row's last input token on the device (the previous step's sample where the host
         does not know it yet), for penalties. ``device_slots`` / ``device_offsets``: the plan's
         sample_slots / sample_offsets already on the device (copied with the step's inputs)."""
-        rows = [out.scheduled[i] for i in plan.sample_rows]
         slots = plan.sample_slots
         temperature_host = self.temperature_host[slots]
-        banned = [
-            self.banned_ids[s] if r.num_output_tokens < self.min_tokens[s] else []
-            for s, r in zip(slots, rows, strict=True)
-        ]
-        pending = None
-        if self.needs_output_ids[slots].any() and pending_tokens is not None:
-            is_pending = self.to_device(np.array([r.last_token_pending for r in rows]))
-            pending = torch.where(is_pending, pending_tokens, torch.full_like(pending_tokens, -1))
-        empty = np.zeros(0, dtype=np.int64)
-        output_ids = [r.output_token_ids if r.output_token_ids is not None else empty for r in rows]
-        n = len(rows)
+        banned: list[list[int]] = []
+        output_ids: list[np.ndarray] = []
+        prompt_ids: list[np.ndarray | None] = []
+        pending = controls = None
+        if self.needs_row_lists[slots].any():
+            rows = [out.scheduled[i] for i in plan.sample_rows]
+            banned = [
+                self.banned_ids[s] if r.num_output_tokens < self.min_tokens[s] else []
+                for s, r in zip(slots, rows, strict=True)
+            ]
+            if self.needs_output_ids[slots].any() and pending_tokens is not None:
+                is_pending = self.to_device(np.array([r.last_token_pending for r in rows]))
+                pending = torch.where(is_pending, pending_tokens, torch.full_like(pending_tokens, -1))
+            empty = np.zeros(0, dtype=np.int64)
+            output_ids = [r.output_token_ids if r.output_token_ids is not None else empty for r in rows]
+            prompt_ids = [self.prompt_ids[s] for s in slots]
+            controls = self._logit_controls(rows, slots, output_ids, pending)
+        n = len(slots)
         buffers = self.step_sampling
         temperature = torch.index_select(self.temperature, 0, device_slots, out=buffers.temperature[:n])
         seeds = torch.index_select(self.seeds, 0, device_slots, out=buffers.seeds[:n])
@@ -286,12 +298,12 @@ class InputBatch:
             frequency=self.frequency[slots],
             repetition=self.repetition[slots],
             output_token_ids=output_ids,
-            prompt_token_ids=[self.prompt_ids[s] for s in slots],
+            prompt_token_ids=prompt_ids,
             banned_token_ids=banned,
             num_logprobs=self.num_logprobs[slots],
             pending_token_ids=pending,
             greedy=temperature_host == 0.0,
-            logit_controls=self._logit_controls(rows, slots, output_ids, pending),
+            logit_controls=controls,
         )
 
     def _logit_controls(
