@@ -466,6 +466,7 @@ def decode_configs(quick: bool) -> dict:
             mode="merge_kernel", block_n=32, num_warps=2, num_stages=2, max_registers=128
         ),
         **{name: config for name, config in balanced_decode_configs().items() if name.endswith("_m4")},
+        "fp8_balanced": K.attn.FP8_BALANCED_DECODE,
     }
     return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32", "balanced")} if quick else configs
 
@@ -665,7 +666,7 @@ def run_decode_correctness(gen, quick):
         (128, 16, 2, 1, 1, 8),
         (128, 256, 7, 3, 2000, 2),
     ]
-    # Every shape through the two schemes; the other variants (timed at head_dim 128, block 16) on the
+    # Every shape through the three schemes; the other variants (timed at head_dim 128, block 16) on the
     # timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
     schemes = ("merge_kernel", "fused", "balanced")
     for name, config in configs.items():

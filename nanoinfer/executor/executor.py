@@ -30,7 +30,7 @@ class Executor:
 
     def stage(self, prepared: PreparedStep) -> StagedInputs | None:
         """Copies a prepared step's inputs to the device now, for :meth:`launch`: while the step before
-        it waits for its masked sampling graph's replay (see ``ModelRunner.stage``)."""
+        it waits for its bitmask, before its deferred sampling (see ``ModelRunner.stage``)."""
         step, plan = prepared
         return self.runner.stage(step, plan)
 

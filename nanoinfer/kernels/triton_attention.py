@@ -560,34 +560,31 @@ def _decode_kernel(
         elif used_splits == 1:
             out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-        elif MODE == _MODE_BALANCED:
-            _store_partial(
-                partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split, group,
-                num_splits, HEAD_DIM,
-            )  # fmt: skip
         else:
             _store_partial(
                 partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, seq, heads, row_mask, split, group,
                 num_splits, HEAD_DIM,
             )  # fmt: skip
-            # Every thread's partial stores come before the counter's release; the last split to arrive
-            # (acquire) merges them all and resets the counter for the next launch.
-            tl.debug_barrier()
-            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == used_splits - 1:
-                num_heads = tl.num_programs(1) * group
-                splits = tl.arange(0, BLOCK_S)
-                split_mask = splits < used_splits
-                for g in range(group):
-                    head = kv_head * group + g
-                    part_rows = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
-                    merged = _merge_partials(
-                        partial_out_ptr, partial_lse_ptr, part_rows, split_mask, HEAD_DIM, True
-                    )
-                    out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
-                    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            # Balanced mode leaves the merge to the second kernel.
+            if MODE == _MODE_FUSED:
+                # Every thread's partial stores come before the counter's release; the last split to
+                # arrive (acquire) merges them all and resets the counter for the next launch.
+                tl.debug_barrier()
+                counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == used_splits - 1:
+                    num_heads = tl.num_programs(1) * group
+                    splits = tl.arange(0, BLOCK_S)
+                    split_mask = splits < used_splits
+                    for g in range(group):
+                        head = kv_head * group + g
+                        part_rows = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
+                        merged = _merge_partials(
+                            partial_out_ptr, partial_lse_ptr, part_rows, split_mask, HEAD_DIM, True
+                        )
+                        out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
+                        tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_splits"])

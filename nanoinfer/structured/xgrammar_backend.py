@@ -480,7 +480,7 @@ class XGrammarCompiler:
     def compile_json(self, schema_text: str | None, flexible_whitespace: bool) -> XGrammarGrammar:
         """A matcher of ``schema_text`` (None: any JSON object). Raises what xgrammar raises when it
         cannot compile the schema (RuntimeError and others)."""
-        return self.matcher(self._compile(schema_text or '{"type":"object"}', flexible_whitespace))
+        return self.matcher(self.compile_json_grammar(schema_text, flexible_whitespace))
 
     def compile_json_grammar(
         self, schema_text: str | None, flexible_whitespace: bool
