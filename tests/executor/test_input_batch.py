@@ -113,3 +113,33 @@ def test_sampling_arrays_follow_the_slots():
     assert metadata.top_k.tolist() == [0, 0, 5] and metadata.top_p is None and metadata.min_p is None
     assert metadata.banned == [(2, [7])]  # 2 tokens generated, min_tokens 3
     assert metadata.num_logprobs.tolist() == [-1, -1, 2] and metadata.penalties is None
+
+
+def test_plain_rows_skip_the_per_row_lists_and_a_penalized_row_brings_them_back():
+    batch = InputBatch(max_num_seqs=4, max_blocks_per_seq=4, block_size=BS, device=torch.device("cpu"))
+
+    def metadata_of(params: dict[str, SamplingParams]):
+        out = SchedulerOutput(
+            scheduled=[row(name, 0, [1, 2], [i]) for i, name in enumerate(params)],
+            new_requests={name: new_request(name, [i], p) for i, (name, p) in enumerate(params.items())},
+            finished_request_ids=[name for name in batch.slot_of if name not in params],
+        )
+        _, plan = batch.prepare(out)
+        return batch.sampling_metadata(
+            out, plan, None, batch.to_device(plan.sample_slots), batch.to_device(plan.sample_offsets)
+        )
+
+    plain = metadata_of({"a": SamplingParams(temperature=0.7), "b": SamplingParams(temperature=0.0)})
+    assert plain.temperature_only and plain.penalties is None and plain.banned is None
+    assert plain.logit_controls is None
+    # A new request in a freed slot: the slot's flag follows the request that holds it.
+    mixed = metadata_of(
+        {
+            "c": SamplingParams(presence_penalty=0.5, repetition_penalty=1.2),
+            "d": SamplingParams(logit_bias={3: 1.0}),
+        }
+    )
+    assert len(mixed.penalties.output_token_ids) == len(mixed.penalties.prompt_token_ids) == 2
+    assert mixed.logit_controls.rows == [1]
+    again = metadata_of({"e": SamplingParams(temperature=0.5), "f": SamplingParams(temperature=0.5)})
+    assert again.temperature_only and again.penalties is None and again.logit_controls is None
