@@ -107,12 +107,15 @@ structured_ab)
     ;;
 structured_modes)
     # The structured-outputs benchmark (with its host-phase profile) for each count of grammar processes
-    # in GRAMMAR_PROCESSES (default 1 2 4), in the same run.
+    # in GRAMMAR_PROCESSES (default 1 2 4; a count may repeat, e.g. "4 2 4 2": each pass has its own
+    # JSON, numbered in order), in the same run.
     write_checkpoint
     with_real_tokenizer
+    pass=0
     for n in ${GRAMMAR_PROCESSES:-1 2 4}; do
+        pass=$((pass + 1))
         timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
-            --num-grammar-processes "$n" --result-file "$OUT/structured_processes$n.json"
+            --num-grammar-processes "$n" --result-file "$OUT/structured_pass${pass}_processes$n.json"
     done
     ;;
 serve)
