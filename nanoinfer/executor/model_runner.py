@@ -561,10 +561,10 @@ class ModelRunner:
     def execute_worker_step(self, step: StepInputs) -> None:
         """A tensor-parallel worker's step: the same forward pass and logits as rank 0 (their collectives
         pair up), no sampling."""
-        graph_bs, bucket = self._route(step)
-        staged = self._load_inputs(step, None, graph_bs, bucket)
+        staged_inputs = self.stage(step, None)
+        staged = staged_inputs.views
         self._gather_pending_inputs(step, staged)
-        hidden = self._run_model(step, staged, graph_bs, bucket)
+        hidden = self._run_model(step, staged, staged_inputs.graph_bs, staged_inputs.bucket)
         if step.prompt_logprob_index is not None:
             prompt_logprobs(hidden, staged["prompt_logprob_index"], [], [], self._compute_logits)
         if len(step.logits_index):
