@@ -7,13 +7,12 @@
 2. Timing, in CUDA-graph replay (per call, averaged over a captured run of calls) unless noted:
    the elementwise kernels against the torch reference at T = 1 and 256 (Qwen3-0.6B sizes); the
    sampler against softmax + exponential + argmax at batch 1 and 256 x 151,936; GEMV configurations
-   against cuBLAS for each Qwen3-0.6B projection at M = 1, 2, 4, 8, 16 (weight-read TB/s), and tensor-
-   core tilings against cuBLAS at M = 32-256 (weights cold, the down projection gated); decode
+   against cuBLAS for each Qwen3-0.6B projection at M = 1, 2, 4, 8, 16 (weight-read TB/s); decode
    variants at batch x context 1x600, 8x600, 64x1024, 256x1024 (bf16 and FP8 KV, KV TB/s); prefill
    configurations on a 16,384-token batch of 29 sequences (eager: milliseconds per call); decode and
    prefill on token-major and head-major caches (the engine's FP8 pool is head-major); a 28-layer
-   mock decode step at batch 1, 16, 64, 128 and 256 built from these kernels, with and without
-   programmatic dependent launch, with cuBLAS projections and (above 16 rows) with the sweep's fastest.
+   mock decode step at batch 1 and 16 built from these kernels, with and without programmatic
+   dependent launch, and with cuBLAS projections.
 Writes $OUT/gpu_kernels.json (default: the current directory) and prints a table last. A failing
 section is reported and the others still run; the exit status is 1 if any check or section failed.
 
@@ -63,7 +62,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, LAYERS, EPS = 1024, 16, 8, 128,
 # decode step's batches and context; the sampler's batches.
 DECODE_SHAPES = [(1, 600), (8, 600), (64, 1024), (256, 1024)]
 PREFILL_BATCH = {"total": 16384, "count": 29, "low": 100, "high": 1024}
-MOCK_STEP_BATCHES, MOCK_STEP_CONTEXT = (1, 16, 64, 128, 256), 600
+MOCK_STEP_BATCHES, MOCK_STEP_CONTEXT = (1, 16), 600
 SAMPLER_BATCHES = (1, 256)
 PROJECTIONS = {  # name: (N, K) of the weight [N, K]
     "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
@@ -374,22 +373,6 @@ def check_gemv(gen):
             str(config),
         )
     check_gemv_pdl_chain(gen)
-    # Decode batches above 16 rows: several row blocks (the last one partial at 200), split-K partials
-    # per tile, plain and gated.
-    C = K.gemv.GemvConfig
-    for name in ("o", "down"):
-        n, k = PROJECTIONS[name]
-        weight = randn(gen, n, k, scale=0.05)
-        for m in (32, 200, 256):
-            for config in (None, C(block_m=64, block_n=64, block_k=64, split_k=4, use_dot=True)):
-                for gated in (False, True):
-                    x = randn(gen, m, 2 * k if gated else k)
-                    out = poison(m, n)
-                    K.gemv.gemv(x, weight, out=out, config=config, gated=gated)
-                    expected = (K.gref.silu_mul_gemv_ref if gated else K.gref.gemv_ref)(x, weight)
-                    kind = "gemv_gated" if gated else "gemv"
-                    note = str(config or K.gemv.gemv_config(m, n, k))
-                    check_close(kind, {"proj": name, "M": m}, out, expected, note)
     weight, bias = randn(gen, 300, 96), randn(gen, 300)
     for config in (None, K.gemv.GemvConfig(16, 32, 3, True), K.gemv.GemvConfig(8, 32, 2)):
         x = randn(gen, 5, 96)
@@ -482,11 +465,10 @@ def decode_configs(quick: bool) -> dict:
         "merge_n32_w2_s2_r128": K.attn.DecodeConfig(
             mode="merge_kernel", block_n=32, num_warps=2, num_stages=2, max_registers=128
         ),
-        **{n: c for n, c in balanced_decode_configs().items() if n == "balanced" or n.endswith("_m4")},
+        **{name: config for name, config in balanced_decode_configs().items() if name.endswith("_m4")},
         "fp8_balanced": K.attn.FP8_BALANCED_DECODE,
     }
-    quick_names = ("merge_kernel", "fused", "fused_n32", "balanced", "fp8_balanced")
-    return {k: configs[k] for k in quick_names} if quick else configs
+    return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32", "balanced")} if quick else configs
 
 
 def balanced_decode_configs() -> dict:
@@ -684,9 +666,9 @@ def run_decode_correctness(gen, quick):
         (128, 16, 2, 1, 1, 8),
         (128, 256, 7, 3, 2000, 2),
     ]
-    # Every shape through the schemes and the FP8 default; the other variants (timed at head_dim 128,
-    # block 16) on the timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
-    schemes = ("merge_kernel", "fused", "balanced", "fp8_balanced")
+    # Every shape through the three schemes; the other variants (timed at head_dim 128, block 16) on the
+    # timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
+    schemes = ("merge_kernel", "fused", "balanced")
     for name, config in configs.items():
         for shape in shapes if name in schemes else (shapes[0], shapes[1], shapes[6]):
             check_decode(gen, *shape, name, config)
@@ -940,99 +922,6 @@ def time_gemv(gen, quick):
             )
         del weight
     RESULTS["timing"]["gemv"] = res
-
-
-# Decode batch sizes above 16 rows (the engine's graphs come in steps of 16) and the tensor-core tilings
-# tried there: (block_m, block_n, block_k, split_k, num_warps, num_stages).
-GEMM_ROWS = (32, 64, 96, 128, 192, 256)
-GEMM_TILINGS = [
-    (16, 64, 128, 1, 4, 3), (16, 64, 128, 4, 4, 3),
-    (32, 32, 128, 1, 4, 3), (32, 32, 128, 2, 4, 3), (32, 32, 128, 4, 4, 3),
-    (32, 64, 128, 1, 4, 3), (32, 64, 128, 2, 4, 3), (32, 64, 128, 4, 4, 3),
-    (64, 32, 128, 1, 4, 3), (64, 32, 128, 2, 4, 3), (64, 32, 128, 4, 4, 3),
-    (64, 64, 64, 1, 4, 3), (64, 64, 64, 2, 4, 3), (64, 64, 64, 4, 4, 4), (64, 64, 128, 4, 4, 3),
-    (64, 128, 64, 1, 4, 3), (64, 128, 64, 2, 8, 3),
-    (128, 64, 64, 1, 8, 3), (128, 64, 64, 2, 8, 3), (128, 64, 64, 4, 8, 3),
-    (128, 128, 64, 1, 8, 3), (128, 128, 64, 2, 8, 3),
-]  # fmt: skip
-# The fastest tiling per (projection, rows) of this run's sweep, None where cuBLAS was faster: the mock
-# decode step's "sweep's best projections" variant reads it.
-BEST_GEMM: dict[tuple[str, int], object] = {}
-
-
-def gemm_candidates(m: int, quick: bool) -> list:
-    C = K.gemv.GemvConfig
-    configs = [
-        C(block_m=bm, block_n=bn, block_k=bk, split_k=sk, use_dot=True, num_warps=w, num_stages=st)
-        for bm, bn, bk, sk, w, st in GEMM_TILINGS
-        if bm <= max(16, m)
-    ]
-    return configs[::4] if quick else configs
-
-
-def rotating(fn: Callable, weights: list) -> Callable:
-    """``fn(weight)`` over ``weights`` in turn, one per call (a captured run of calls reads each from
-    memory, not from L2)."""
-    turn = iter(range(1 << 62))
-    return lambda: fn(weights[next(turn) % len(weights)])
-
-
-def _gemm_entry(name: str, m: int, x, weights: list, gated: bool, quick: bool) -> dict:
-    n = weights[0].shape[0]
-    out = torch.empty(m, n, device=DEVICE, dtype=DTYPE)
-    expected = (K.gref.silu_mul_gemv_ref if gated else K.gref.gemv_ref)(x, weights[0])
-    if gated:
-        cublas = rotating(lambda w: torch.nn.functional.linear(K.elem.silu_and_mul(x), w), weights)
-    else:
-        cublas = rotating(lambda w: torch.nn.functional.linear(x, w), weights)
-    entry = {"cublas_us": graph_bench(cublas) * 1e3, "weight_copies": len(weights)}
-    sweep, configs = {}, {}
-    for config in gemm_candidates(m, quick):
-        configs[str(config)] = config
-        try:
-            call = partial(K.gemv.gemv, x, out=out, config=config, gated=gated)
-            us = graph_bench(rotating(lambda w, call=call: call(w), weights)) * 1e3
-            out.fill_(float("nan"))
-            K.gemv.gemv(x, weights[0], out=out, config=config, gated=gated)
-            ok = not out.isnan().any().item() and rel_error(out, expected) < TOLERANCE
-            sweep[str(config)] = {"us": us, "ok": ok}
-        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
-            sweep[str(config)] = {"error": repr(exc)[:200]}
-    timed = {c: v["us"] for c, v in sweep.items() if v.get("ok")}
-    best = min(timed, key=timed.get) if timed else None
-    faster = best is not None and timed[best] < entry["cublas_us"]
-    BEST_GEMM[(name, m)] = configs[best] if faster else None
-    entry.update(sweep=sweep, best_config=best, best_us=timed.get(best), faster_than_cublas=faster)
-    bad = [c for c, v in sweep.items() if not v.get("ok")]
-    record("gemm", {"proj": name, "M": m, "gated": gated}, not bad, None, f"{len(bad)} tilings failed")
-    return entry
-
-
-def time_gemm(gen, quick):
-    """The projections at 32-256 rows: each tiling against cuBLAS, the weights rotated over enough
-    copies (about 160 MB) that every call reads them from memory, as a decode step does (each layer has
-    its own). The MLP's down projection runs gated (silu(gate) * up computed as it loads), against
-    silu_and_mul followed by cuBLAS."""
-    res = {}
-    for name, (n, k) in PROJECTIONS.items():
-        if name == "lm_head":
-            continue
-        gated = name == "down"
-        weights = [randn(gen, n, k, scale=0.05) for _ in range(max(2, math.ceil(160e6 / (n * k * 2))))]
-        for m in GEMM_ROWS if not quick else GEMM_ROWS[::2]:
-            x = randn(gen, m, 2 * k if gated else k)
-            entry = res[f"{name} M={m}"] = _gemm_entry(name, m, x, weights, gated, quick)
-            best = entry["best_config"]
-            TABLE.append(
-                (
-                    f"gemm {name} {k}->{n} M={m}{' gated' if gated else ''} (graph, cold weights)",
-                    f"cuBLAS {entry['cublas_us']:.1f} us, best "
-                    + (f"{entry['best_us']:.1f} us {best}" if best else "none"),
-                )
-            )
-        del weights
-        torch.cuda.empty_cache()
-    RESULTS["timing"]["gemm"] = res
 
 
 def time_decode(gen, quick):
@@ -1398,38 +1287,28 @@ class MockDecodeStep:
         )
         self.num_bytes += sum(layer["paged"].kv_bytes for layer in self.layers)
 
-    def run(self, cublas: bool = False, pdl: bool = False, best: bool = False) -> torch.Tensor:
+    def run(self, cublas: bool = False, pdl: bool = False) -> torch.Tensor:
         """One step through the Triton kernels; the sampled tokens go to ``self.tokens``. Returns the
-        logits. ``best``: each projection as the GEMM sweep of this run found fastest (BEST_GEMM; cuBLAS
-        where it won or where the sweep did not run)."""
+        logits."""
 
-        def config_of(name):
-            return BEST_GEMM.get((name, self.batch)) if best else None
-
-        def project(x, w, name):
-            if cublas or (best and config_of(name) is None):
-                return torch.nn.functional.linear(x, w)
-            return K.gemv.gemv(x, w, pdl=pdl, config=config_of(name))
+        def project(x, w):
+            return torch.nn.functional.linear(x, w) if cublas else K.gemv.gemv(x, w, pdl=pdl)
 
         def project_gated(gate_up, w):
-            if cublas or (best and config_of("down") is None):
+            if cublas:
                 return torch.nn.functional.linear(K.elem.silu_and_mul(gate_up, pdl=pdl), w)
-            return K.gemv.gemv(gate_up, w, pdl=pdl, gated=True, config=config_of("down"))
+            return K.gemv.gemv(gate_up, w, pdl=pdl, gated=True)
 
         x = self.hidden.clone()
         residual = torch.zeros_like(x)
         for layer in self.layers:
             K.elem.add_rms_norm(x, residual, layer["norm1"], EPS, pdl=pdl)
-            attn = self._attention(layer, project(x, layer["qkv"], "qkv"), pdl)
-            x = project(attn, layer["o"], "o")
+            attn = self._attention(layer, project(x, layer["qkv"]), pdl)
+            x = project(attn, layer["o"])
             K.elem.add_rms_norm(x, residual, layer["norm2"], EPS, pdl=pdl)
-            x = project_gated(project(x, layer["gate_up"], "gate_up"), layer["down"])
+            x = project_gated(project(x, layer["gate_up"]), layer["down"])
         K.elem.add_rms_norm(x, residual, self.final_norm, EPS, pdl=pdl)
-        # The vocabulary projection as the engine runs it: this kernel up to 16 rows, cuBLAS above.
-        if self.batch <= 16:
-            logits = project(x, self.lm_head, "lm_head")
-        else:
-            logits = torch.nn.functional.linear(x, self.lm_head)
+        logits = project(x, self.lm_head)
         K.samp.gumbel_sample(logits, self.temperature, self.seeds, self.offsets, out=self.tokens, pdl=pdl)
         return logits
 
@@ -1498,21 +1377,18 @@ def time_mock_step(gen, quick):
         record(
             "mock_step", {"B": batch, "ctx": MOCK_STEP_CONTEXT}, err < 5e-2, err, "logits vs the references"
         )
-        step.run(best=batch > 16, pdl=batch > 16)
+        step.run()
         eager_tokens = step.tokens.clone()
-        variants = [("triton", {}), ("triton+pdl", {"pdl": True}), ("cublas projections", {"cublas": True})]
-        if batch > 16:
-            variants = [
-                ("triton+pdl, sweep's best projections", {"pdl": True, "best": True}),
-                ("cublas projections", {"cublas": True}),
-                ("cublas projections+pdl", {"cublas": True, "pdl": True}),
-            ]
-        for label, kwargs in variants:
+        for label, kwargs in (
+            ("triton", {}),
+            ("triton+pdl", {"pdl": True}),
+            ("cublas projections", {"cublas": True}),
+        ):
             try:
                 ms = graph_bench(partial(step.run, **kwargs), calls=1, rep=200)
                 graph_tokens = step.tokens.clone()
                 entry[label] = {"ms": ms, "tbps": step.num_bytes / ms / 1e9}
-                if not kwargs.get("cublas"):
+                if label != "cublas projections":
                     entry[label]["same_tokens_as_eager"] = bool(torch.equal(graph_tokens, eager_tokens))
             except Exception as exc:  # noqa: BLE001
                 entry[label] = {"error": repr(exc)[:300]}
@@ -1666,14 +1542,6 @@ def compile_only(quick: bool) -> int:
         for m in (1, 2, 4, 8, 16):
             for config in [None, *gemv_candidates(m, quick)]:
                 attempt(f"gemv {name} M={m} {config}", K.gemv.gemv, t(m, k), weight, config=config, pdl=True)
-        if name == "lm_head":
-            continue
-        for m in GEMM_ROWS:
-            for config in [None, *gemm_candidates(m, quick)]:
-                for gated in (False, True) if name == "down" else (False,):
-                    x = t(m, 2 * k if gated else k)
-                    label = f"gemm {name} M={m} {config} gated={gated}"
-                    attempt(label, K.gemv.gemv, x, weight, config=config, pdl=True, gated=gated)
     for cache_dtype in (DTYPE, FP8):
         scales = {"k_scale": ones, "v_scale": ones} if cache_dtype == FP8 else {}
         cache = t(300, 16, KV_HEADS, HEAD_DIM, dtype=cache_dtype)
@@ -1747,8 +1615,8 @@ def guarded(name: str, stage: Callable) -> None:
 
 
 SECTIONS = (
-    "ceiling", "correctness", "elementwise", "sampler", "gemv", "gemm", "decode", "decode_mixed", "prefill",
-    "layout", "mock_step",
+    "ceiling", "correctness", "elementwise", "sampler", "gemv", "decode", "decode_mixed", "prefill", "layout",
+    "mock_step",
 )  # fmt: skip
 
 
@@ -1786,7 +1654,6 @@ def main() -> int:
         "elementwise": lambda: time_elementwise(gen, opts.quick),
         "sampler": lambda: time_sampler(gen, opts.quick),
         "gemv": lambda: time_gemv(gen, opts.quick),
-        "gemm": lambda: time_gemm(gen, opts.quick),
         "decode": lambda: time_decode(gen, opts.quick),
         "decode_mixed": lambda: time_decode_mixed(gen, opts.quick),
         "prefill": lambda: time_prefill(gen, opts.quick),

@@ -1,16 +1,14 @@
-"""Small-batch projection (GEMV-like GEMM) for decode: ``out = x @ weight.T (+ bias)``.
+"""Small-batch projection (GEMV-like GEMM) for decode: ``out = x @ weight.T (+ bias)`` for 1-16 rows.
 
-At decode batch sizes a projection reads its whole weight for few rows of output, so it is bound by
-the weight read, and a library GEMM tiled for large products leaves most SMs idle on the narrow ones
-(1,024 output columns in 128-wide tiles are 8 programs). One program = one block of ``block_m`` rows
-by ``block_n`` output columns (weight rows, contiguous along K, so the loads are coalesced) over a
-range of K; with ``split_k`` > 1 the K ranges of one tile run in separate programs, each writing a
-float32 partial, and the last of them to finish (an atomic counter) sums the partials in split order
-(deterministic) and writes the output. The row blocks of one column block are neighbours in the grid,
-so they share its weight tiles in L2. The product is either a broadcast multiply-and-sum on the CUDA
-cores (``use_dot=False``, for 1-16 rows in one block) or a tensor-core ``tl.dot`` (rows padded to
-``block_m``). With ``gated`` the input is a gated MLP's [gate | up] and the product is over silu(gate)
-* up, computed as the tiles load (the MLP's down projection without a separate activation kernel).
+At batch 1-16 a projection reads its whole weight for a few rows of output, so it is bound by the
+weight read. One program = one block of ``block_n`` output columns (weight rows, contiguous along K,
+so the loads are coalesced) over a range of K; with ``split_k`` > 1 the K ranges of one column block
+run in separate programs, each writing a float32 partial, and the last of them to finish (an atomic
+counter) sums the partials in split order (deterministic) and writes the output. The product is
+either a broadcast multiply-and-sum on the CUDA cores (``use_dot=False``, for 1-4 rows) or a tensor-core
+``tl.dot`` with the rows padded to 16. With ``gated`` the input is a gated MLP's [gate | up] and the
+product is over silu(gate) * up, computed as the tiles load (the MLP's down projection without a
+separate activation kernel).
 
 The split-K counters live in one zeroed int32 buffer per device, created on the first split-K call
 (make that call before CUDA-graph capture) and left at zero after every call; launches that share it
@@ -28,8 +26,9 @@ import triton.language as tl
 from nanoinfer.kernels.triton_elementwise import launch_options
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# The CUDA-core product holds every row of the block at once: up to 16.
-MAX_CUDA_CORE_ROWS = 16
+# Above 16 rows cuBLAS was as fast or faster on every projection, but for the MLP's down projection at
+# 32-64 rows, where this kernel won by 1 us (docs/benchmarks.md, run 31).
+MAX_ROWS = 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MIN_COUNTERS = 1 << 14
 
@@ -42,17 +41,14 @@ class GemvConfig:
     use_dot: bool = False
     num_warps: int = 4
     num_stages: int = 3
-    # Rows per program with use_dot (at least 16, the tensor cores' tile); the CUDA-core product takes
-    # all rows (up to 16) in one program.
-    block_m: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "block_m"):
+        for name in ("block_n", "block_k"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
-        if self.use_dot and min(self.block_n, self.block_k, self.block_m) < 16:
-            raise ValueError("GemvConfig with use_dot needs block_m, block_n and block_k >= 16")
+        if self.use_dot and min(self.block_n, self.block_k) < 16:
+            raise ValueError("GemvConfig with use_dot needs block_n and block_k >= 16")
         if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError("GemvConfig.split_k, num_warps and num_stages must be >= 1")
 
@@ -60,19 +56,16 @@ class GemvConfig:
 def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
     """The default configuration for an [m, k] x [n, k]^T product: CUDA cores for up to 4 rows (a
     transient product of at most 4096 elements per program), tensor cores above; split-K only when
-    the tiles alone would leave SMs idle."""
+    the column blocks alone would leave SMs idle."""
     if m <= 4:
-        block_m, block_n, use_dot = 16, 8, False
-        block_k = min(512 // triton.next_power_of_2(m), triton.next_power_of_2(k))
+        block_n, block_k, use_dot = 8, min(512 // triton.next_power_of_2(m), triton.next_power_of_2(k)), False
     else:
-        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-        block_n, block_k, use_dot = (32, 128, True) if m <= 16 else (64, 64, True)
-        block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    tiles = triton.cdiv(n, block_n) * (triton.cdiv(m, block_m) if use_dot else 1)
+        block_n, block_k, use_dot = 32, min(128, max(16, triton.next_power_of_2(k))), True
+    column_blocks = triton.cdiv(n, block_n)
     split_k = 1
-    while tiles * split_k < num_sms and split_k < 8 and k >= 2 * split_k * block_k:
+    while column_blocks * split_k < num_sms and split_k < 8 and k >= 2 * split_k * block_k:
         split_k *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, block_m=block_m)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot)
 
 
 def preferred_config(m: int, n: int, k: int) -> GemvConfig | None:
@@ -81,7 +74,7 @@ def preferred_config(m: int, n: int, k: int) -> GemvConfig | None:
     (K > N: attention output, MLP down) are where cuBLAS is slowest at small M (12.6 us for 2048->1024
     at M=1 against 3.0 here); wide ones (qkv, gate_up) only gain at M=1, the vocabulary projection at
     every M."""
-    if m > MAX_CUDA_CORE_ROWS:
+    if m > MAX_ROWS:
         return None
     if n >= 32768:  # the vocabulary projection
         return GemvConfig(block_n=32 if m <= 4 else 64, block_k=128, use_dot=True)
@@ -148,18 +141,17 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
     col_mask = cols < N
     row_mask = rows < M
     k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_span
     k_stop = tl.minimum(K, k_start + k_span)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    x_rows = x_ptr + rows[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # No earlier kernel writes the weights, so under programmatic dependent launch their first tile is
     # requested before the wait for the previous kernel (whose output x is): the weight read, most of
@@ -193,7 +185,7 @@ def _gemv_kernel(
             w, x = w_next, x_next
         if BLOCK_M == 1:
             acc = tl.sum(acc_k, axis=1)[None, :]
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
     out_mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -205,8 +197,7 @@ def _gemv_kernel(
         # Every thread's partial stores come before the counter's release; the last split to arrive
         # (acquire) sums all partials and resets the counter for the next launch.
         tl.debug_barrier()
-        counter = counters_ptr + pid_n * tl.num_programs(0) + pid_m
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):
@@ -215,7 +206,7 @@ def _gemv_kernel(
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 def _split_k_counters(device: torch.device, count: int) -> torch.Tensor:
@@ -240,9 +231,8 @@ def gemv(
     pdl: bool = False,
     gated: bool = False,
 ) -> torch.Tensor:
-    """``x`` [M, K] (M >= 1, at most 16 for the CUDA-core product; unit last stride) @ ``weight`` [N,
-    K].T (row-major, as nn.Linear stores it) + ``bias`` [N]: a new [M, N] tensor of ``x``'s dtype (or
-    ``out``), float32 accumulation.
+    """``x`` [M, K] (1 <= M <= 16, unit last stride) @ ``weight`` [N, K].T (row-major, as nn.Linear
+    stores it) + ``bias`` [N]: a new [M, N] tensor of ``x``'s dtype (or ``out``), float32 accumulation.
     ``gated``: ``x`` is [M, 2K] = [gate | up] and the product is silu(gate) * up @ ``weight``.T."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gated else 1):
         expected = "[M, 2K] ([gate | up])" if gated else "[M, K]"
@@ -251,8 +241,8 @@ def gemv(
         )
     m = x.shape[0]
     n, k = weight.shape
-    if m < 1:
-        raise ValueError(f"gemv takes at least 1 row of x, got {m}")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows of x, got {m}")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share one dtype of {_DTYPES}, got {x.dtype} and {weight.dtype}")
     if k < 1 or n < 1 or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -264,16 +254,14 @@ def gemv(
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be ({m}, {n}) {x.dtype} with stride(1) == 1")
     config = config or gemv_config(m, n, k)
-    if not config.use_dot and m > MAX_CUDA_CORE_ROWS:
-        raise ValueError(f"gemv without use_dot takes 1 to {MAX_CUDA_CORE_ROWS} rows of x, got {m}")
-    block_m = config.block_m if config.use_dot else triton.next_power_of_2(m)
-    row_blocks, column_blocks = triton.cdiv(m, block_m), triton.cdiv(n, config.block_n)
+    column_blocks = triton.cdiv(n, config.block_n)
     if config.split_k > 1:
         partial = torch.empty(config.split_k * m * n, dtype=torch.float32, device=x.device)
-        counters = _split_k_counters(x.device, row_blocks * column_blocks)
+        counters = _split_k_counters(x.device, column_blocks)
     else:
         partial = counters = out
-    _gemv_kernel[(row_blocks, column_blocks, config.split_k)](
+    block_m = 16 if config.use_dot else triton.next_power_of_2(m)
+    _gemv_kernel[(column_blocks, config.split_k)](
         x,
         weight,
         bias if bias is not None else weight,
