@@ -315,6 +315,19 @@ def check_qk_norm_rope_store(gen, token_counts=(1, 33, 256)):
         K.eref.qk_norm_rope_store_ref(expected, *args)
         K.elem.qk_norm_rope_store(qkv, *args)
         check_close("rope_qkv", {"T": tokens, "cache": "none"}, qkv, expected)
+        # q written to a separate (poisoned) buffer, as the piecewise graphs' capture asks for.
+        qkv = randn(gen, tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        expected = qkv.clone()
+        exp_q, _, _ = K.eref.qk_norm_rope_store_ref(expected, *args)
+        q_out = poison(tokens, HEADS, HEAD_DIM)
+        K.elem.qk_norm_rope_store(qkv, *args, q_out=q_out)
+        check_close("rope_q_out", {"T": tokens, "cache": "none"}, q_out, exp_q)
+        check_close(
+            "rope_qkv",
+            {"T": tokens, "q_out": True},
+            qkv[:, HEADS * HEAD_DIM :],
+            expected[:, HEADS * HEAD_DIM :],
+        )
 
 
 def check_sampler(gen, batches=(1, 7, 256)):
@@ -465,10 +478,11 @@ def decode_configs(quick: bool) -> dict:
         "merge_n32_w2_s2_r128": K.attn.DecodeConfig(
             mode="merge_kernel", block_n=32, num_warps=2, num_stages=2, max_registers=128
         ),
-        **{name: config for name, config in balanced_decode_configs().items() if name.endswith("_m4")},
+        **{n: c for n, c in balanced_decode_configs().items() if n == "balanced" or n.endswith("_m4")},
         "fp8_balanced": K.attn.FP8_BALANCED_DECODE,
     }
-    return {k: configs[k] for k in ("merge_kernel", "fused", "fused_n32", "balanced")} if quick else configs
+    quick_names = ("merge_kernel", "fused", "fused_n32", "balanced", "fp8_balanced")
+    return {k: configs[k] for k in quick_names} if quick else configs
 
 
 def balanced_decode_configs() -> dict:
@@ -666,9 +680,9 @@ def run_decode_correctness(gen, quick):
         (128, 16, 2, 1, 1, 8),
         (128, 256, 7, 3, 2000, 2),
     ]
-    # Every shape through the three schemes; the other variants (timed at head_dim 128, block 16) on the
-    # timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
-    schemes = ("merge_kernel", "fused", "balanced")
+    # Every shape through the schemes and the FP8 default; the other variants (timed at head_dim 128,
+    # block 16) on the timed shapes' kind, a long context and a GQA group of 7 (padded query rows).
+    schemes = ("merge_kernel", "fused", "balanced", "fp8_balanced")
     for name, config in configs.items():
         for shape in shapes if name in schemes else (shapes[0], shapes[1], shapes[6]):
             check_decode(gen, *shape, name, config)
@@ -1522,6 +1536,18 @@ def compile_only(quick: bool) -> int:
             empty,
             empty,
             positions,
+        )
+        cache = t(300, 16, KV_HEADS, HEAD_DIM)
+        attempt(
+            f"qk_norm_rope_store T={tokens} q_out",
+            K.elem.qk_norm_rope_store,
+            *rope_args,
+            EPS,
+            cache,
+            cache,
+            positions,
+            q_out=t(tokens, HEADS, HEAD_DIM),
+            pdl=True,
         )
     for batch in (1, 256):
         rows = torch.zeros(batch, dtype=torch.long)

@@ -212,8 +212,9 @@ class _AttentionCall:
 
 class _SplitAtAttention:
     """Stands in for the attention backend while a forward pass is captured: each attention call ends the
-    graph being captured (after copying the query to the static query buffer) and starts the next one;
-    the call itself is recorded, to run eagerly between the replays."""
+    graph being captured and starts the next one; the call itself is recorded, to run eagerly between
+    the replays. The layer writes its queries straight into the static query buffer (a copy there costs
+    a strided pass over every prompt token's queries, per layer)."""
 
     name = "piecewise-capture"
 
@@ -222,6 +223,9 @@ class _SplitAtAttention:
 
     def attend(self, query, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, out=None):
         return self.capture.split(query, _AttentionCall(k_cache, v_cache, scale, k_scale, v_scale))
+
+    def query_destination(self, num_tokens: int) -> torch.Tensor:
+        return self.capture.query_buffer[:num_tokens]
 
 
 class _PieceCapture:
@@ -244,7 +248,8 @@ class _PieceCapture:
 
     def split(self, query: torch.Tensor, call: _AttentionCall) -> torch.Tensor:
         num_tokens = query.shape[0]
-        self.query_buffer[:num_tokens].copy_(query)
+        if query.data_ptr() != self.query_buffer.data_ptr():  # a layer that ignored query_destination
+            self.query_buffer[:num_tokens].copy_(query)
         self.end()
         self.calls.append(call)
         self.begin()

@@ -260,10 +260,13 @@ def _qk_norm_rope_store_kernel(
     slot_mapping_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    q_out_ptr,
     num_heads,
     num_kv_heads,
     eps,
     stride_qkv,
+    stride_qot,
+    stride_qoh,
     stride_cs,
     stride_kcb,
     stride_kcs,
@@ -280,10 +283,12 @@ def _qk_norm_rope_store_kernel(
     FP8_KV: tl.constexpr,
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
+    Q_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program = one token and HEADS_PER_PROGRAM consecutive heads of [q heads | k heads | v heads].
-    Rows are handled as two halves (the rotate-half pairs), so no gather or permutation is needed."""
+    Rows are handled as two halves (the rotate-half pairs), so no gather or permutation is needed. With
+    Q_OUT the rotated q goes to ``q_out_ptr`` instead of back into qkv."""
     pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -330,9 +335,15 @@ def _qk_norm_rope_store_kernel(
     sin = tl.load(cos_sin_ptr + position * stride_cs + half + dims).to(tl.float32)
     rotated1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
     rotated2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
-    qk_rows = (is_q | is_k)[:, None]
-    tl.store(row_ptrs, rotated1, mask=qk_rows)
-    tl.store(row_ptrs + half, rotated2, mask=qk_rows)
+    if Q_OUT:
+        q_ptrs = q_out_ptr + token * stride_qot + heads[:, None] * stride_qoh + dims[None, :]
+        tl.store(q_ptrs, rotated1, mask=is_q[:, None])
+        tl.store(q_ptrs + half, rotated2, mask=is_q[:, None])
+        in_place_rows = is_k[:, None]
+    else:
+        in_place_rows = (is_q | is_k)[:, None]
+    tl.store(row_ptrs, rotated1, mask=in_place_rows)
+    tl.store(row_ptrs + half, rotated2, mask=in_place_rows)
 
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -422,12 +433,15 @@ def qk_norm_rope_store(
     v_scale: torch.Tensor | None = None,
     heads_per_program: int | None = None,
     pdl: bool = False,
+    q_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """In place on ``qkv`` [T, (num_heads + 2 * num_kv_heads) * head_dim] (unit last stride): q and k
     RMS-normalised per head where a weight is given, then rotated (RoPE, rotate-half, ``cos_sin``
     [max_position, head_dim] = [cos | sin] at ``positions`` [T]); k and v then written to the paged
     cache at ``slot_mapping`` [T] (-1: nothing); an FP8 cache stores clamp(x / scale, +-448) in e4m3.
-    An empty cache (numel 0) stores nothing. One launch. Returns q, k, v: views into ``qkv``."""
+    An empty cache (numel 0) stores nothing. One launch. Returns q, k, v: views into ``qkv``, except
+    that with ``q_out`` [T, num_heads, head_dim] (unit last stride) q is written there (qkv's q part is
+    then left as it was) and q_out is returned."""
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(
             f"qkv must be [tokens, (num_heads + 2 * num_kv_heads) * head_dim] = [tokens, "
@@ -456,9 +470,16 @@ def qk_norm_rope_store(
     fp8 = store and k_cache.dtype == FP8_DTYPE
     if store:  # without a cache yet (warm-up) the scales have nothing to apply to
         check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    if q_out is not None and (
+        q_out.shape != (num_tokens, num_heads, head_dim) or q_out.stride(2) != 1 or q_out.dtype != qkv.dtype
+    ):
+        raise ValueError(
+            f"q_out must be [{num_tokens}, {num_heads}, {head_dim}] of {qkv.dtype} with unit last stride, "
+            f"got {tuple(q_out.shape)} of {q_out.dtype}"
+        )
     heads = qkv.unflatten(1, (num_heads + 2 * num_kv_heads, head_dim))
     views = (
-        heads[:, :num_heads],
+        heads[:, :num_heads] if q_out is None else q_out,
         heads[:, num_heads : num_heads + num_kv_heads],
         heads[:, num_heads + num_kv_heads :],
     )
@@ -479,10 +500,12 @@ def qk_norm_rope_store(
         slot_mapping,
         k_scale if k_scale is not None else qkv,
         v_scale if v_scale is not None else qkv,
+        q_out if q_out is not None else qkv,
         num_heads,
         num_kv_heads,
         eps,
         qkv.stride(0),
+        *(q_out.stride()[:2] if q_out is not None else (0, 0)),
         cos_sin.stride(0),
         *(k_cache.stride()[:3] if store else (0, 0, 0)),
         *(v_cache.stride()[:3] if store else (0, 0, 0)),
@@ -495,6 +518,7 @@ def qk_norm_rope_store(
         FP8_KV=fp8,
         K_SCALED=fp8 and k_scale is not None,
         V_SCALED=fp8 and v_scale is not None,
+        Q_OUT=q_out is not None,
         USE_PDL=pdl,
         num_warps=max(1, min(8, per_program * head_dim // 256)),
         **launch_options(pdl, qkv.device),

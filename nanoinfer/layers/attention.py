@@ -50,6 +50,11 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """The attention output [tokens, heads, head_dim]: a new tensor, or written into ``out``."""
 
+    def query_destination(self, num_tokens: int) -> torch.Tensor | None:
+        """Where the layer should write its rotated queries ([num_tokens, heads, head_dim]) for this
+        backend to read them, or None: anywhere (in place in the fused qkv)."""
+        return None
+
 
 class TorchAttentionBackend(AttentionBackend):
     """Pure PyTorch; runs anywhere (the CPU path and the reference). Not CUDA-graph capturable."""
@@ -175,6 +180,10 @@ class Attention(nn.Module):
         # While a list (the FP8 scale calibration): each forward pass before the cache exists appends
         # the largest |k| and |v| it would store.
         self.kv_amax: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def query_destination(self, num_tokens: int) -> torch.Tensor | None:
+        """See :meth:`AttentionBackend.query_destination`."""
+        return self.backend.query_destination(num_tokens)
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim], already in the

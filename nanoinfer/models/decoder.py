@@ -87,6 +87,7 @@ class DecoderAttention(nn.Module):
             meta.slot_mapping,
             attn.k_scale,
             attn.v_scale,
+            q_out=attn.query_destination(qkv.shape[0]),
         )
         out = attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
