@@ -586,21 +586,27 @@ def check_decode_graph(gen, config_name, config, fp8=False, pdl=False):
 def prefill_configs(quick: bool) -> dict:
     P = K.attn.PrefillConfig
     configs = {
-        "m64n64w4s3 (default)": P(),
+        "m64n64w4s3": P(),
         "m64n64w4s4": P(num_stages=4),
         "m64n128w4s3": P(block_n=128),
         "m128n64w4s3": P(block_m=128),
         "m128n64w8s3": P(block_m=128, num_warps=8),
         "m128n128w8s3": P(block_m=128, block_n=128, num_warps=8),
         "m128n64w8s4": P(block_m=128, num_warps=8, num_stages=4),
-        "gqa m64n64w4s3": P(pack_gqa=True),
+        "gqa m64n64w4s3 (default)": P(pack_gqa=True),
         "gqa m128n64w8s3": P(block_m=128, num_warps=8, pack_gqa=True),
         "gqa m128n128w8s3": P(block_m=128, block_n=128, num_warps=8, pack_gqa=True),
         "gqa m128n64w4s3": P(block_m=128, pack_gqa=True),
         "gqa m256n64w8s3": P(block_m=256, num_warps=8, pack_gqa=True),
+        "m64n32w4s3": P(block_n=32),
+        "gqa m64n32w4s3": P(block_n=32, pack_gqa=True),
+        "m64n64w4s2": P(num_stages=2),
+        "gqa m64n64w4s2": P(num_stages=2, pack_gqa=True),
+        "gqa m64n64w4s4": P(num_stages=4, pack_gqa=True),
+        "gqa m64n64w8s3": P(num_warps=8, pack_gqa=True),
     }
     if quick:
-        return {k: configs[k] for k in ("m64n64w4s3 (default)", "m128n64w8s3", "gqa m128n64w8s3")}
+        return {k: configs[k] for k in ("gqa m64n64w4s3 (default)", "m64n64w4s3", "gqa m128n64w8s3")}
     return configs
 
 
@@ -1204,7 +1210,7 @@ def time_prefill(gen, quick):
                 configs = {
                     k: v
                     for k, v in configs.items()
-                    if k in ("m64n64w4s3 (default)", "m128n64w8s3", "gqa m128n64w8s3")
+                    if k in ("gqa m64n64w4s3 (default)", "m64n64w4s3", "m128n64w8s3", "gqa m128n64w8s3")
                 }
             entry = {}
             for name, config in configs.items():
@@ -1231,7 +1237,7 @@ def time_prefill(gen, quick):
             res[f"bs{block_size} {'fp8' if fp8 else 'bf16'}"] = entry
             timed = {k: v["tflops"] for k, v in entry.items() if "tflops" in v}
             best = max(timed, key=timed.get)
-            default = entry.get("m64n64w4s3 (default)", {})
+            default = entry.get("gqa m64n64w4s3 (default)", {})
             kv_name = "fp8" if fp8 else "bf16"
             default_us, default_tflops = default.get("us", float("nan")), default.get("tflops", float("nan"))
             TABLE.append(
