@@ -12,7 +12,7 @@ skipped on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -134,8 +134,9 @@ class PrefillConfig:
 
 # Measured on an H200 (head_dim 128, a 16,384-token batch of 29 prompts; docs/benchmarks.md, run 52):
 # 64 x 64 tiles with 4 warps beat 128-row tiles by 10-20%, and packing the GQA group into the rows (each
-# K/V tile loaded once for both query heads) beat the unpacked tiles by 5% for every cache (240 against
-# 254 us bf16 and 260 against 276 FP8 with 16-token blocks, 253 / 261 against 267 / 276 with 256).
+# K/V tile loaded once for both query heads of Qwen3-0.6B's groups) beat the unpacked tiles by 5% for
+# every cache (240 against 254 us bf16 and 260 against 276 FP8 with 16-token blocks, 253 / 261 against
+# 267 / 276 with 256).
 DEFAULT_PREFILL = PrefillConfig(pack_gqa=True)
 SHORT_QUERY_PREFILL = PrefillConfig(block_m=16)
 
@@ -1029,8 +1030,13 @@ def _prefill_kernel(
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _prefill_config(max_query_len: int) -> PrefillConfig:
-    return SHORT_QUERY_PREFILL if max_query_len <= 16 else DEFAULT_PREFILL
+def _prefill_config(max_query_len: int, group: int) -> PrefillConfig:
+    if max_query_len <= 16:
+        return SHORT_QUERY_PREFILL
+    # A GQA group wider than the tile's rows cannot be packed into it.
+    if triton.next_power_of_2(group) > DEFAULT_PREFILL.block_m:
+        return replace(DEFAULT_PREFILL, pack_gqa=False)
+    return DEFAULT_PREFILL
 
 
 def paged_prefill_attention(
@@ -1074,7 +1080,7 @@ def paged_prefill_attention(
         raise ValueError(f"out must be {tuple(query.shape)} with stride(-1) == 1, got {tuple(out.shape)}")
     if num_tokens == 0:
         return out
-    config = config or _prefill_config(max_query_len)
+    config = config or _prefill_config(max_query_len, group)
     pack = triton.next_power_of_2(group) if config.pack_gqa else 1
     if pack > config.block_m:
         raise ValueError(

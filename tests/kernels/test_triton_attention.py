@@ -269,6 +269,7 @@ PREFILL_CASES = [
 ]
 PREFILL_CONFIGS = {
     "default": None,
+    "m64_n64_unpacked": dict(),
     "m16_n16": dict(block_m=16, block_n=16),
     "m128_n64_8warps": dict(block_m=128, block_n=64, num_warps=8),
     "packed_m64_n32": dict(block_m=64, block_n=32, pack_gqa=True),
@@ -289,7 +290,7 @@ def test_paged_prefill_matches_reference(
 ):
     kernels = _kernels()
     spec = PREFILL_CONFIGS[config_name]
-    config = kernels.PrefillConfig(**spec) if spec else None
+    config = kernels.PrefillConfig(**spec) if spec is not None else None
     gen = generator(sum(seq_lens) + block_size)
     tables, num_blocks = random_tables(gen, seq_lens, block_size)
     scales = fp8_scales(0.3, 0.6) if fp8 else (None, None)
@@ -311,6 +312,26 @@ def test_paged_prefill_matches_reference(
     assert not out.isnan().any()
     assert rel_error(out, ref) < _attention_tolerance(DTYPE)
     assert torch.equal(out[-num_padding_rows:], torch.zeros_like(out[-num_padding_rows:]))
+
+
+def test_default_prefill_tiling_takes_a_group_wider_than_its_rows():
+    """The default tile packs a GQA group into its 64 rows; a group of 128 query heads per KV head does
+    not fit, and the default then tiles the heads unpacked (an explicit packed config is refused)."""
+    kernels = _kernels()
+    gen = generator(23)
+    seq_lens, num_heads, head_dim = [20, 33], 128, 16
+    tables, num_blocks = random_tables(gen, seq_lens, 16)
+    k_cache, v_cache = random_cache(gen, num_blocks, 16, 1, head_dim, DTYPE, None)
+    query = randn(gen, sum(seq_lens), num_heads, head_dim, dtype=DTYPE)
+    qsl = torch.tensor([0, 20, 53], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = kernels.paged_prefill_attention(query, k_cache, v_cache, qsl, lens, tables, 33, 0.25)
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, 0.25)
+    assert rel_error(out, ref) < _attention_tolerance(DTYPE)
+    with pytest.raises(ValueError, match="block_m"):
+        kernels.paged_prefill_attention(
+            query, k_cache, v_cache, qsl, lens, tables, 33, 0.25, config=kernels.DEFAULT_PREFILL
+        )
 
 
 def test_fp8_cache_with_bf16_queries_matches_reference():
