@@ -133,37 +133,47 @@ def test_qk_norm_rope_store(case, dtype):
     _assert_same_cache(v_cache, expected_v, dtype)
 
 
+# Query and KV heads and head size of the small rope cases below (4 query heads over 2 KV heads).
+SMALL_HEADS = (4, 2, 64)
+
+
+def _small_rope_case(seed: int, num_tokens: int, dtype):
+    """qkv, the kernel's arguments from positions to eps (one norm weight for q and k), the slots and
+    the 16-token-block caches of a small case."""
+    gen = generator(seed)
+    qkv, positions, cos_sin, slots, k_cache, v_cache = _rope_inputs(
+        gen, num_tokens, *SMALL_HEADS, 16, dtype, dtype
+    )
+    weight = randn(gen, SMALL_HEADS[2], dtype=dtype)
+    return qkv, (positions, cos_sin, *SMALL_HEADS, weight, weight, 1e-6), slots, k_cache, v_cache
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qk_norm_rope_store_writes_q_to_q_out(dtype):
     """With q_out (a static buffer the attention reads, strided per token) q lands there, qkv's q part
-    is untouched, and k, v and the cache are as without it."""
+    is untouched, and k, v and the cache are as without it; the reference does the same."""
     kernels = _kernels()
-    gen = generator(11)
-    num_tokens, num_heads, num_kv_heads, head_dim = 9, 4, 2, 64
-    qkv, positions, cos_sin, slots, k_cache, v_cache = _rope_inputs(
-        gen, num_tokens, num_heads, num_kv_heads, head_dim, 16, dtype, dtype
-    )
-    weight = randn(gen, head_dim, dtype=dtype)
-    args = (positions, cos_sin, num_heads, num_kv_heads, head_dim, weight, weight, 1e-6)
+    num_tokens = 9
+    num_heads, _, head_dim = SMALL_HEADS
+    qkv, args, slots, k_cache, v_cache = _small_rope_case(11, num_tokens, dtype)
+    original, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()  # for the reference's run
     expected_qkv, expected_k, expected_v = qkv.clone(), k_cache.clone(), v_cache.clone()
     expected_q, _, _ = qk_norm_rope_store_ref(expected_qkv, *args, expected_k, expected_v, slots)
-    untouched_q = qkv[:, : num_heads * head_dim].clone()
     q_out = torch.full((num_tokens + 3, num_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     q, k, v = kernels.qk_norm_rope_store(qkv, *args, k_cache, v_cache, slots, q_out=q_out[:num_tokens])
     assert q.data_ptr() == q_out.data_ptr()
     assert_close(q, expected_q, dtype)
     assert q_out[num_tokens:].isnan().all()
-    assert torch.equal(qkv[:, : num_heads * head_dim], untouched_q)
+    assert torch.equal(qkv[:, : num_heads * head_dim], original[:, : num_heads * head_dim])
     assert_close(qkv[:, num_heads * head_dim :], expected_qkv[:, num_heads * head_dim :], dtype)
     _assert_same_cache(k_cache, expected_k, dtype)
     _assert_same_cache(v_cache, expected_v, dtype)
-    # The reference does the same.
-    ref_qkv, ref_q_out = qkv.clone(), torch.empty_like(q_out[:num_tokens])
-    ref_q, _, _ = qk_norm_rope_store_ref(
-        ref_qkv, *args, k_cache.clone(), v_cache.clone(), slots, q_out=ref_q_out
-    )
+    ref_qkv, ref_q_out = original.clone(), torch.empty_like(q_out[:num_tokens])
+    ref_q, _, _ = qk_norm_rope_store_ref(ref_qkv, *args, ref_k, ref_v, slots, q_out=ref_q_out)
     assert ref_q.data_ptr() == ref_q_out.data_ptr()
     assert_close(ref_q, expected_q, dtype)
+    assert torch.equal(ref_qkv[:, : num_heads * head_dim], original[:, : num_heads * head_dim])
+    _assert_same_cache(ref_k, expected_k, dtype)
     with pytest.raises(ValueError, match="q_out"):
         kernels.qk_norm_rope_store(qkv, *args, k_cache, v_cache, slots, q_out=q_out)
 
@@ -172,14 +182,9 @@ def test_qk_norm_rope_store_writes_q_to_q_out(dtype):
 def test_qk_norm_rope_without_cache_only_rotates(dtype):
     # Before the KV pool exists (the warm-up pass) the caches are empty tensors: nothing is stored.
     kernels = _kernels()
-    gen = generator(5)
-    num_tokens, num_heads, num_kv_heads, head_dim = 6, 4, 2, 64
-    qkv, positions, cos_sin, slots, _, _ = _rope_inputs(
-        gen, num_tokens, num_heads, num_kv_heads, head_dim, 16, dtype, dtype
-    )
-    weight = randn(gen, head_dim, dtype=dtype)
+    qkv, rope_args, slots, _, _ = _small_rope_case(5, 6, dtype)
     empty = torch.empty(0, dtype=dtype, device=DEVICE)
-    args = (positions, cos_sin, num_heads, num_kv_heads, head_dim, weight, weight, 1e-6, empty, empty, slots)
+    args = (*rope_args, empty, empty, slots)
     expected = qkv.clone()
     qk_norm_rope_store_ref(expected, *args)
     kernels.qk_norm_rope_store(qkv, *args)
