@@ -1210,7 +1210,14 @@ def time_prefill(gen, quick):
                 configs = {
                     k: v
                     for k, v in configs.items()
-                    if k in ("gqa m64n64w4s3 (default)", "m64n64w4s3", "m128n64w8s3", "gqa m128n64w8s3")
+                    if k
+                    in (
+                        "gqa m64n64w4s3 (default)",
+                        "m64n64w4s3",
+                        "gqa m64n32w4s3",
+                        "m128n64w8s3",
+                        "gqa m128n64w8s3",
+                    )
                 }
             entry = {}
             for name, config in configs.items():
