@@ -132,12 +132,14 @@ class PrefillConfig:
             raise ValueError("PrefillConfig.num_warps and num_stages must be >= 1")
 
 
-# Measured on an H200 (head_dim 128, a 16,384-token batch of 29 prompts; docs/benchmarks.md, run 52):
-# 64 x 64 tiles with 4 warps beat 128-row tiles by 10-20%, and packing the GQA group into the rows (each
+# Measured on an H200 (head_dim 128, a 16,384-token batch of 29 prompts; docs/benchmarks.md, runs 52-53):
+# 64-row tiles with 4 warps beat 128-row tiles by 10-20%, and packing the GQA group into the rows (each
 # K/V tile loaded once for both query heads of Qwen3-0.6B's groups) beat the unpacked tiles by 5% for
-# every cache (240 against 254 us bf16 and 260 against 276 FP8 with 16-token blocks, 253 / 261 against
-# 267 / 276 with 256).
-DEFAULT_PREFILL = PrefillConfig(pack_gqa=True)
+# every cache. Over a 16-bit cache 32-key tiles are 12-13% faster again (210 against 240 us with 16-token
+# blocks, 219 against 252 with 256); over an FP8 cache they are 14-17% slower (294 against 258 us), so
+# FP8 keeps 64-key tiles.
+DEFAULT_PREFILL = PrefillConfig(block_n=32, pack_gqa=True)
+FP8_PREFILL = PrefillConfig(pack_gqa=True)
 SHORT_QUERY_PREFILL = PrefillConfig(block_m=16)
 
 
@@ -1030,13 +1032,14 @@ def _prefill_kernel(
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _prefill_config(max_query_len: int, group: int) -> PrefillConfig:
+def _prefill_config(max_query_len: int, group: int, fp8_cache: bool) -> PrefillConfig:
     if max_query_len <= 16:
         return SHORT_QUERY_PREFILL
+    config = FP8_PREFILL if fp8_cache else DEFAULT_PREFILL
     # A GQA group wider than the tile's rows cannot be packed into it.
-    if triton.next_power_of_2(group) > DEFAULT_PREFILL.block_m:
-        return replace(DEFAULT_PREFILL, pack_gqa=False)
-    return DEFAULT_PREFILL
+    if triton.next_power_of_2(group) > config.block_m:
+        return replace(config, pack_gqa=False)
+    return config
 
 
 def paged_prefill_attention(
@@ -1056,7 +1059,7 @@ def paged_prefill_attention(
     """Causal attention of each sequence's new queries (its last ``q_len`` positions) over its whole
     paged context; same semantics as ``paged_attention_ref``. ``max_query_len`` must be >= every
     sequence's query length (it sizes the grid). An FP8 cache is dequantized with ``k_scale`` /
-    ``v_scale``. ``config`` picks the tiling (default: by ``max_query_len``)."""
+    ``v_scale``. ``config`` picks the tiling (default: by ``max_query_len`` and the cache's dtype)."""
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     group = _check_heads(query, num_kv_heads, head_dim)
     check_kv_scales(k_cache.dtype, k_scale, v_scale)
@@ -1080,7 +1083,7 @@ def paged_prefill_attention(
         raise ValueError(f"out must be {tuple(query.shape)} with stride(-1) == 1, got {tuple(out.shape)}")
     if num_tokens == 0:
         return out
-    config = config or _prefill_config(max_query_len, group)
+    config = config or _prefill_config(max_query_len, group, k_cache.dtype == FP8_DTYPE)
     pack = triton.next_power_of_2(group) if config.pack_gqa else 1
     if pack > config.block_m:
         raise ValueError(

@@ -334,6 +334,18 @@ def test_default_prefill_tiling_takes_a_group_wider_than_its_rows():
         )
 
 
+def test_default_prefill_tiling_follows_the_cache_dtype():
+    """32-key tiles over a 16-bit cache, 64-key tiles over an FP8 one (the faster of each on the H200);
+    short queries take the 16-row tile whatever the cache, and a group wider than the rows is unpacked."""
+    kernels = _kernels()
+    assert kernels._prefill_config(300, 2, fp8_cache=False) == kernels.DEFAULT_PREFILL
+    assert kernels._prefill_config(300, 2, fp8_cache=True) == kernels.FP8_PREFILL
+    assert kernels.DEFAULT_PREFILL.block_n == 32 and kernels.FP8_PREFILL.block_n == 64
+    for fp8_cache in (False, True):
+        assert kernels._prefill_config(16, 2, fp8_cache) == kernels.SHORT_QUERY_PREFILL
+        assert not kernels._prefill_config(300, 128, fp8_cache).pack_gqa
+
+
 def test_fp8_cache_with_bf16_queries_matches_reference():
     """Against an FP8 cache a bf16 query is multiplied in float16 (the kernels' _matmul_dtype): the
     decode and prefill kernels still match the reference at bf16's tolerance."""
