@@ -48,10 +48,10 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         return self.flush()
 
-    def defer_token(self, token_id: int) -> None:
-        """Appends a token without decoding it yet: the next :meth:`flush` or :meth:`add_token` decodes
+    def defer_tokens(self, token_ids: list[int]) -> None:
+        """Appends tokens without decoding them yet: the next :meth:`flush` or :meth:`add_token` decodes
         all deferred tokens in one window, which is much cheaper than one decode pair per token."""
-        self._ids.append(token_id)
+        self._ids += token_ids
 
     def flush(self, final: bool = False) -> str:
         """Decodes the tokens added since the text was last advanced; returns the new text. With

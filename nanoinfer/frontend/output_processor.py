@@ -43,6 +43,14 @@ class _Completion:
         # DELTA: what earlier outputs already carried.
         self.sent_chars = 0
         self.sent_tokens = 0
+        # Nothing reads a quiet completion before it ends (one final output, no stop strings to search,
+        # no logprobs): until then a step only appends its tokens.
+        self.quiet = (
+            params.output_kind == RequestOutputKind.FINAL_ONLY
+            and not params.stop
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+        )
 
     def text(self) -> str:
         text = self.detokenizer.text
@@ -181,6 +189,16 @@ class OutputProcessor:
                 # Ended here by a stop string while its siblings go on: an engine core in another
                 # process may have sent outputs of it before it learned of that.
                 continue
+            if completion.quiet and output.finish_reason is None and output.error is None:
+                # The common step of an offline request, kept short: it runs once per row per step.
+                new_token_ids = output.new_token_ids
+                if new_token_ids:
+                    if completion.index == 0 and not completion.token_ids:
+                        state.num_cached_tokens = output.num_cached_tokens
+                    self._record_timing(state, len(new_token_ids), now)
+                    completion.token_ids += new_token_ids
+                    completion.detokenizer.defer_tokens(new_token_ids)
+                continue
             if output.error is not None:
                 ended += self._fail(state, output.error)
                 advanced.setdefault(state.request_id, set()).update(c.index for c in state.completions)
@@ -255,11 +273,11 @@ class OutputProcessor:
         if output.stopped_by_token and not params.include_stop_str_in_output:
             text_tokens = text_tokens[:-1]
         detokenizer = completion.detokenizer
-        for token_id in text_tokens:
-            if params.stop or kind != RequestOutputKind.FINAL_ONLY:
+        if params.stop or kind != RequestOutputKind.FINAL_ONLY:
+            for token_id in text_tokens:
                 detokenizer.add_token(token_id)
-            else:  # nobody reads the text before the end: decode it in one go then
-                detokenizer.defer_token(token_id)
+        else:  # nobody reads the text before the end: decode it in one go then
+            detokenizer.defer_tokens(text_tokens)
         stopped = False
         if params.stop and output.finish_reason != "stop":
             text = detokenizer.text
