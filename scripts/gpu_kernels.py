@@ -583,6 +583,10 @@ def check_decode_graph(gen, config_name, config, fp8=False, pdl=False):
     record("graph", params, ok, worst, "decode replayed with new seq_lens")
 
 
+# The names of the engine's default prefill tilings in prefill_configs (16-bit and FP8 caches).
+PREFILL_DEFAULT, PREFILL_FP8_DEFAULT = "gqa m64n32w4s3 (default)", "gqa m64n64w4s3 (fp8 default)"
+
+
 def prefill_configs(quick: bool) -> dict:
     P = K.attn.PrefillConfig
     configs = {
@@ -593,22 +597,20 @@ def prefill_configs(quick: bool) -> dict:
         "m128n64w8s3": P(block_m=128, num_warps=8),
         "m128n128w8s3": P(block_m=128, block_n=128, num_warps=8),
         "m128n64w8s4": P(block_m=128, num_warps=8, num_stages=4),
-        "gqa m64n64w4s3 (fp8 default)": P(pack_gqa=True),
+        PREFILL_FP8_DEFAULT: P(pack_gqa=True),
         "gqa m128n64w8s3": P(block_m=128, num_warps=8, pack_gqa=True),
         "gqa m128n128w8s3": P(block_m=128, block_n=128, num_warps=8, pack_gqa=True),
         "gqa m128n64w4s3": P(block_m=128, pack_gqa=True),
         "gqa m256n64w8s3": P(block_m=256, num_warps=8, pack_gqa=True),
         "m64n32w4s3": P(block_n=32),
-        "gqa m64n32w4s3 (default)": P(block_n=32, pack_gqa=True),
+        PREFILL_DEFAULT: P(block_n=32, pack_gqa=True),
         "m64n64w4s2": P(num_stages=2),
         "gqa m64n64w4s2": P(num_stages=2, pack_gqa=True),
         "gqa m64n64w4s4": P(num_stages=4, pack_gqa=True),
         "gqa m64n64w8s3": P(num_warps=8, pack_gqa=True),
     }
     if quick:
-        return {
-            k: configs[k] for k in ("gqa m64n32w4s3 (default)", "gqa m64n64w4s3 (fp8 default)", "m64n64w4s3")
-        }
+        return {k: configs[k] for k in (PREFILL_DEFAULT, PREFILL_FP8_DEFAULT, "m64n64w4s3")}
     return configs
 
 
@@ -1213,8 +1215,8 @@ def time_prefill(gen, quick):
                     for k, v in configs.items()
                     if k
                     in (
-                        "gqa m64n32w4s3 (default)",
-                        "gqa m64n64w4s3 (fp8 default)",
+                        PREFILL_DEFAULT,
+                        PREFILL_FP8_DEFAULT,
                         "m64n64w4s3",
                         "m128n64w8s3",
                         "gqa m128n64w8s3",
@@ -1245,7 +1247,7 @@ def time_prefill(gen, quick):
             res[f"bs{block_size} {'fp8' if fp8 else 'bf16'}"] = entry
             timed = {k: v["tflops"] for k, v in entry.items() if "tflops" in v}
             best = max(timed, key=timed.get)
-            default = entry.get("gqa m64n64w4s3 (fp8 default)" if fp8 else "gqa m64n32w4s3 (default)", {})
+            default = entry.get(PREFILL_FP8_DEFAULT if fp8 else PREFILL_DEFAULT, {})
             kv_name = "fp8" if fp8 else "bf16"
             default_us, default_tflops = default.get("us", float("nan")), default.get("tflops", float("nan"))
             TABLE.append(
