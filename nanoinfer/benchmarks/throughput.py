@@ -268,8 +268,12 @@ def run(args: argparse.Namespace) -> int:
     runner = llm.llm_engine.engine_core.executor.runner
     bandwidth = result["bound"]["copy_bandwidth_TBps"] * 1e12 if args.bound else None
     result["step_times"] = step_time_summary(recorded_steps, *_bytes_read(runner), bandwidth)
-    # Every step of the last pass: [scheduled tokens, rows, context tokens, wall ms].
-    result["step_records"] = [[s.tokens, s.rows, s.context_tokens, round(s.ms, 2)] for s in recorded_steps]
+    # Every step of the last pass: [scheduled tokens, rows, context tokens, wall ms, device ms, device idle
+    # ms before it] (the device times null off CUDA).
+    result["step_records"] = [
+        [s.tokens, s.rows, s.context_tokens, round(s.ms, 2), _round(s.gpu_ms), _round(s.gpu_idle_ms)]
+        for s in recorded_steps
+    ]
     if args.hf_compare:
         result["hf_compare"] = compare_with_transformers(llm, model, prompts, max_tokens, args)
     if args.hf_cb:
@@ -283,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
         with open(args.result_file, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def _round(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
 
 
 def single_sequence_latency(llm, seed: int = 1) -> dict[str, Any]:
@@ -400,13 +408,18 @@ def profile_decode_step(
             (e.key[:60], round(e.self_cpu_time_total / steps / 1e3, 3))
             for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
         ],
-        "top_kernels": [
-            (e.key[:80], round((getattr(e, "self_device_time_total", 0) or 0) / steps / 1e3, 3))
-            for e in sorted(
-                prof.key_averages(), key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0)
-            )[:12]
-        ],
+        "top_kernels": _top_kernels(prof, steps),
     }
+
+
+def _top_kernels(prof, steps: int = 1, count: int = 12) -> list[tuple[str, float]]:
+    """The ``count`` kernels with the most device time in a profile: (name, ms per step)."""
+
+    def device_us(event) -> float:
+        return getattr(event, "self_device_time_total", 0) or 0
+
+    events = sorted(prof.key_averages(), key=lambda e: -device_us(e))[:count]
+    return [(e.key[:80], round(device_us(e) / steps / 1e3, 3)) for e in events]
 
 
 @contextlib.contextmanager
@@ -458,42 +471,82 @@ def _host_phases(llm):
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One engine step of the workload: what it computed and its wall time."""
+    """One engine step of the workload: what it computed, its wall time and, on CUDA, its time on the
+    device: from just before its launch to the end of what the launch enqueued (``gpu_ms``), and how
+    long the device sat idle between the end of the step launched before it and its start
+    (``gpu_idle_ms``: the device waited for the host)."""
 
     tokens: int  # scheduled tokens (prompt and decode)
     rows: int  # scheduled sequences
     context_tokens: int  # KV positions the step's attention reads (cached plus computed)
     ms: float
+    gpu_ms: float | None = None
+    gpu_idle_ms: float | None = None
 
 
 @contextlib.contextmanager
 def _recorded_steps(llm):
     """Yields a list that fills with a StepRecord per engine step. With async scheduling a step's result
-    is awaited by the next call, so a call's time is charged to the step before it."""
+    is awaited by the next call, so a call's time is charged to the step before it. The device times are
+    filled in when the block ends (one synchronization)."""
+    import torch
+
     core = llm.llm_engine.engine_core
     record: list[StepRecord] = []
-    scheduled: list[tuple[int, int, int]] = []
-    schedule, step = core.scheduler.schedule, core.step
+    scheduled: list[tuple[Any, int, int, int]] = []  # (SchedulerOutput, tokens, rows, context)
+    on_cuda = core.config.device == "cuda"
+    spans: dict[int, tuple[Any, Any]] = {}  # id(SchedulerOutput) -> CUDA events around its launch
+    launch_order: list[int] = []
+    schedule, step, launch = core.scheduler.schedule, core.step, core.executor.launch
+    owners = [(core.scheduler, "schedule", schedule), (core, "step", step)]
 
     def timed_schedule():
         out = schedule()
         context = sum(r.start_pos + r.num_tokens for r in out.scheduled)
-        scheduled.append((out.num_scheduled_tokens, len(out.scheduled), context))
+        scheduled.append((out, out.num_scheduled_tokens, len(out.scheduled), context))
         return out
+
+    def timed_launch(out, *args, **kwargs):
+        started = torch.cuda.Event(enable_timing=True)
+        ended = torch.cuda.Event(enable_timing=True)
+        started.record()
+        handle = launch(out, *args, **kwargs)
+        ended.record()
+        spans[id(out)] = (started, ended)
+        launch_order.append(id(out))
+        return handle
 
     def timed_step():
         started = time.perf_counter()
         outputs = step()
         lag = 2 if core.async_scheduling else 1
         if len(scheduled) >= lag:
-            record.append(StepRecord(*scheduled[-lag], (time.perf_counter() - started) * 1e3))
+            out, tokens, rows, context = scheduled[-lag]
+            record.append((out, StepRecord(tokens, rows, context, (time.perf_counter() - started) * 1e3)))
         return outputs
 
     core.scheduler.schedule, core.step = timed_schedule, timed_step
+    if on_cuda:
+        core.executor.launch = timed_launch
+        owners.append((core.executor, "launch", launch))
+    steps: list[StepRecord] = []
     try:
-        yield record
+        yield steps
     finally:
-        core.scheduler.schedule, core.step = schedule, step
+        for owner, name, original in owners:
+            setattr(owner, name, original)
+        idle: dict[int, float] = {}
+        if on_cuda:
+            torch.cuda.synchronize()
+            for before, after in zip(launch_order, launch_order[1:], strict=False):
+                idle[after] = max(0.0, spans[before][1].elapsed_time(spans[after][0]))
+        for out, s in record:
+            span = spans.get(id(out))
+            if span is not None:
+                s = dataclasses.replace(
+                    s, gpu_ms=span[0].elapsed_time(span[1]), gpu_idle_ms=idle.get(id(out), 0.0)
+                )
+            steps.append(s)
 
 
 @contextlib.contextmanager
@@ -529,8 +582,9 @@ def step_time_summary(
 ) -> dict[str, dict[str, float]]:
     """Where the workload's wall time goes: per group of steps their count, wall time, and the bytes a
     step must read (weights once plus the KV it attends over); with the copy bandwidth, those bytes'
-    time, so each group's distance from the bound shows. Prompt-carrying steps ("prompt") are
-    compute-bound: their bytes understate them."""
+    time, so each group's distance from the bound shows; on CUDA also the device's busy time over the
+    group's steps and its idle time before them (the device waiting for the host). Prompt-carrying steps
+    ("prompt") are compute-bound: their bytes understate them."""
     bounds = zip(STEP_BUCKETS, STEP_BUCKETS[1:], strict=False)
     names = ["decode 1"] + [f"decode {lo + 1}-{hi}" for lo, hi in bounds]
     groups: dict[str, dict[str, float]] = {}
@@ -543,10 +597,16 @@ def step_time_summary(
         g["steps"] += 1
         g["ms"] += s.ms
         g["GB"] += (weight_bytes + s.context_tokens * kv_bytes_per_token) / 1e9
+        if s.gpu_ms is not None:
+            g["gpu_ms"] = g.get("gpu_ms", 0.0) + s.gpu_ms
+            g["gpu_idle_ms"] = g.get("gpu_idle_ms", 0.0) + s.gpu_idle_ms
     for g in groups.values():
         if copy_bandwidth:
             g["bytes_ms"] = round(g["GB"] * 1e9 / copy_bandwidth * 1e3, 1)
         g["ms"], g["GB"] = round(g["ms"], 1), round(g["GB"], 2)
+        for key in ("gpu_ms", "gpu_idle_ms"):
+            if key in g:
+                g[key] = round(g[key], 1)
     return {name: groups[name] for name in [*names, "prompt"] if name in groups}
 
 
@@ -713,6 +773,7 @@ def prefill_step_time(llm, num_tokens: int = 16384, seed: int = PREFILL_SEED) ->
         "cached_tokens": cached,
         "gpu_ms_by_category": {k: round(v, 3) for k, v in sorted(categories.items())},
         "gpu_ms_total": round(sum(categories.values()), 3),
+        "top_kernels": _top_kernels(prof),
     }
 
 
@@ -902,7 +963,8 @@ def _print_table(result: dict[str, Any]) -> None:
         )
     for name, g in result.get("step_times", {}).items():
         bytes_time = f", bytes {g['bytes_ms']} ms" if "bytes_ms" in g else ""
-        rows.append((f"steps: {name}", f"{g['steps']} steps, {g['ms']} ms{bytes_time}"))
+        device_time = f", device {g['gpu_ms']} ms (idle {g['gpu_idle_ms']})" if "gpu_ms" in g else ""
+        rows.append((f"steps: {name}", f"{g['steps']} steps, {g['ms']} ms{bytes_time}{device_time}"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -1,6 +1,6 @@
 """The offline benchmark's probes measure what they say (CPU, tiny random model)."""
 
-from nanoinfer import LLM
+from nanoinfer import LLM, SamplingParams
 from nanoinfer.benchmarks import throughput
 from tests.fixtures import build_model
 
@@ -40,11 +40,25 @@ def test_single_sequence_latency_prefills_every_prompt(tmp_path):
         llm.close()
 
 
+def test_recorded_steps_cover_every_scheduled_token(tmp_path):
+    llm = _engine(tmp_path)
+    try:
+        prompts = [[7] * 300, [8] * 120, [9] * 40]
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        with throughput._recorded_steps(llm) as steps:
+            llm.generate(prompts, params, use_tqdm=False)
+        # Every prompt token once, then one token per step for each of the other 5 outputs.
+        assert sum(s.tokens for s in steps) == 300 + 120 + 40 + 3 * 5
+        assert all(s.gpu_ms is None and s.gpu_idle_ms is None for s in steps)  # no device off CUDA
+    finally:
+        llm.close()
+
+
 def test_step_time_summary_groups_steps_and_counts_their_bytes():
     steps = [
         throughput.StepRecord(tokens=1, rows=1, context_tokens=600, ms=1.0),
-        throughput.StepRecord(tokens=200, rows=200, context_tokens=200_000, ms=8.0),
-        throughput.StepRecord(tokens=180, rows=180, context_tokens=100_000, ms=6.0),
+        throughput.StepRecord(200, 200, 200_000, ms=8.0, gpu_ms=7.5, gpu_idle_ms=0.25),
+        throughput.StepRecord(180, 180, 100_000, ms=6.0, gpu_ms=4.0, gpu_idle_ms=1.45),
         throughput.StepRecord(tokens=4096, rows=5, context_tokens=4096, ms=30.0),
     ]
     summary = throughput.step_time_summary(
@@ -54,6 +68,8 @@ def test_step_time_summary_groups_steps_and_counts_their_bytes():
     assert summary["decode 129-256"]["steps"] == 2 and summary["decode 129-256"]["ms"] == 14.0
     # (2 x 1000 weight bytes + 300,000 tokens x 10 bytes) at 1 GB/s
     assert summary["decode 129-256"]["bytes_ms"] == round(3_002_000 / 1e9 * 1e3, 1)
+    assert summary["decode 129-256"]["gpu_ms"] == 11.5 and summary["decode 129-256"]["gpu_idle_ms"] == 1.7
+    assert "gpu_ms" not in summary["prompt"]  # recorded off CUDA: no device times
     assert "bytes_ms" not in throughput.step_time_summary(steps, 1000, 10, None)["prompt"]
 
 
