@@ -488,32 +488,37 @@ class StepRecord:
 def _recorded_steps(llm):
     """Yields a list that fills with a StepRecord per engine step. With async scheduling a step's result
     is awaited by the next call, so a call's time is charged to the step before it. The device times are
-    filled in when the block ends (one synchronization)."""
+    filled in when the block ends (one synchronization). Nothing of a step but numbers is kept: holding
+    its SchedulerOutput would keep every scheduled row alive and load the garbage collector."""
     import torch
 
     core = llm.llm_engine.engine_core
-    record: list[StepRecord] = []
-    scheduled: list[tuple[Any, int, int, int]] = []  # (SchedulerOutput, tokens, rows, context)
+    record: list[tuple[int | None, StepRecord]] = []
+    # Per schedule() call: tokens, rows, context and its launch's index (every non-empty step is
+    # launched, in the order scheduled, by the same core step; None: empty, never launched).
+    scheduled: list[tuple[int, int, int, int | None]] = []
     on_cuda = core.config.device == "cuda"
-    spans: dict[int, tuple[Any, Any]] = {}  # id(SchedulerOutput) -> CUDA events around its launch
-    launch_order: list[int] = []
+    spans: list[tuple[Any, Any]] = []  # CUDA events around each launch, in launch order
+    num_launched = 0
     schedule, step, launch = core.scheduler.schedule, core.step, core.executor.launch
     owners = [(core.scheduler, "schedule", schedule), (core, "step", step)]
 
     def timed_schedule():
+        nonlocal num_launched
         out = schedule()
         context = sum(r.start_pos + r.num_tokens for r in out.scheduled)
-        scheduled.append((out, out.num_scheduled_tokens, len(out.scheduled), context))
+        index = None if out.is_empty else num_launched
+        num_launched += index is not None
+        scheduled.append((out.num_scheduled_tokens, len(out.scheduled), context, index))
         return out
 
-    def timed_launch(out, *args, **kwargs):
+    def timed_launch(*args, **kwargs):
         started = torch.cuda.Event(enable_timing=True)
         ended = torch.cuda.Event(enable_timing=True)
         started.record()
-        handle = launch(out, *args, **kwargs)
+        handle = launch(*args, **kwargs)
         ended.record()
-        spans[id(out)] = (started, ended)
-        launch_order.append(id(out))
+        spans.append((started, ended))
         return handle
 
     def timed_step():
@@ -521,8 +526,9 @@ def _recorded_steps(llm):
         outputs = step()
         lag = 2 if core.async_scheduling else 1
         if len(scheduled) >= lag:
-            out, tokens, rows, context = scheduled[-lag]
-            record.append((out, StepRecord(tokens, rows, context, (time.perf_counter() - started) * 1e3)))
+            tokens, rows, context, index = scheduled[-lag]
+            ms = (time.perf_counter() - started) * 1e3
+            record.append((index, StepRecord(tokens, rows, context, ms)))
         return outputs
 
     core.scheduler.schedule, core.step = timed_schedule, timed_step
@@ -535,17 +541,13 @@ def _recorded_steps(llm):
     finally:
         for owner, name, original in owners:
             setattr(owner, name, original)
-        idle: dict[int, float] = {}
         if on_cuda:
             torch.cuda.synchronize()
-            for before, after in zip(launch_order, launch_order[1:], strict=False):
-                idle[after] = max(0.0, spans[before][1].elapsed_time(spans[after][0]))
-        for out, s in record:
-            span = spans.get(id(out))
-            if span is not None:
-                s = dataclasses.replace(
-                    s, gpu_ms=span[0].elapsed_time(span[1]), gpu_idle_ms=idle.get(id(out), 0.0)
-                )
+        for index, s in record:
+            if index is not None and index < len(spans):
+                started, ended = spans[index]
+                idle = spans[index - 1][1].elapsed_time(started) if index else 0.0
+                s = dataclasses.replace(s, gpu_ms=started.elapsed_time(ended), gpu_idle_ms=max(0.0, idle))
             steps.append(s)
 
 

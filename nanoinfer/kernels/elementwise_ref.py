@@ -75,18 +75,21 @@ def qk_norm_rope_store_ref(
     v_scale: torch.Tensor | None = None,
     q_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """In place on ``qkv`` [T, (num_heads + 2 * num_kv_heads) * head_dim]: q and k RMS-normalised per
-    head (each only when its weight is given), then rotated; k and v then written to the paged cache
-    at ``slot_mapping`` (-1: nothing), quantized when the cache is FP8. An empty cache (numel 0) stores
-    nothing. Returns the q, k, v views into ``qkv``; with ``q_out`` [T, num_heads, head_dim], q goes
-    there instead (qkv's q part is left as it was) and q_out is returned in its place."""
+    """q and k of ``qkv`` [T, (num_heads + 2 * num_kv_heads) * head_dim] RMS-normalised per head (each
+    only when its weight is given), then rotated; k and v then written to the paged cache at
+    ``slot_mapping`` (-1: nothing), quantized when the cache is FP8. The rotated q goes back into
+    ``qkv``, or to ``q_out`` [T, num_heads, head_dim] when given; the rotated k goes back into ``qkv``
+    only when the cache is empty (numel 0: nothing is stored). Returns q (``q_out`` when given), k, v:
+    views into ``qkv``."""
     q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     q_in = rms_norm_ref(q, q_norm_weight, eps) if q_norm_weight is not None else q
     k_in = rms_norm_ref(k, k_norm_weight, eps) if k_norm_weight is not None else k
     if q_out is not None:
         q = q_out
     q.copy_(rope_ref(q_in, positions, cos_sin))
-    k.copy_(rope_ref(k_in, positions, cos_sin))
+    k_rotated = rope_ref(k_in, positions, cos_sin)
     if k_cache.numel() > 0:
-        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        store_kvcache_ref(k_rotated, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:
+        k.copy_(k_rotated)
     return q, k, v

@@ -288,7 +288,8 @@ def _qk_norm_rope_store_kernel(
 ):
     """One program = one token and HEADS_PER_PROGRAM consecutive heads of [q heads | k heads | v heads].
     Rows are handled as two halves (the rotate-half pairs), so no gather or permutation is needed. With
-    Q_OUT the rotated q goes to ``q_out_ptr`` instead of back into qkv."""
+    Q_OUT the rotated q goes to ``q_out_ptr`` instead of back into qkv. With STORE_KV the rotated k goes
+    to the cache only (nothing reads it from qkv then); without, back into qkv."""
     pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -301,9 +302,17 @@ def _qk_norm_rope_store_kernel(
     dims = tl.arange(0, half)
     dtype = qkv_ptr.dtype.element_ty
 
+    # Everything a program reads is requested before any of it is used: the position and the slot
+    # first (the cos/sin row depends on the position), so that their round trips overlap the rows'
+    # instead of following the norm's reduction. At prefill sizes this kernel is latency-bound.
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     row_ptrs = qkv_ptr + token * stride_qkv + heads[:, None] * HEAD_DIM + dims[None, :]
     x1 = tl.load(row_ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(row_ptrs + half, mask=valid[:, None], other=0.0).to(tl.float32)
+    cos = tl.load(cos_sin_ptr + position * stride_cs + dims).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + position * stride_cs + half + dims).to(tl.float32)
 
     if Q_NORM or K_NORM:
         if Q_NORM:
@@ -330,23 +339,23 @@ def _qk_norm_rope_store_kernel(
         x1 = tl.where(do_norm[:, None], n1, x1)
         x2 = tl.where(do_norm[:, None], n2, x2)
 
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + position * stride_cs + dims).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + position * stride_cs + half + dims).to(tl.float32)
     rotated1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
     rotated2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
     if Q_OUT:
         q_ptrs = q_out_ptr + token * stride_qot + heads[:, None] * stride_qoh + dims[None, :]
         tl.store(q_ptrs, rotated1, mask=is_q[:, None])
         tl.store(q_ptrs + half, rotated2, mask=is_q[:, None])
-        in_place_rows = is_k[:, None]
-    else:
-        in_place_rows = (is_q | is_k)[:, None]
-    tl.store(row_ptrs, rotated1, mask=in_place_rows)
-    tl.store(row_ptrs + half, rotated2, mask=in_place_rows)
+    if not (Q_OUT and STORE_KV):
+        if Q_OUT:
+            in_place_rows = is_k[:, None]
+        elif STORE_KV:
+            in_place_rows = is_q[:, None]
+        else:
+            in_place_rows = (is_q | is_k)[:, None]
+        tl.store(row_ptrs, rotated1, mask=in_place_rows)
+        tl.store(row_ptrs + half, rotated2, mask=in_place_rows)
 
     if STORE_KV:
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         kv1 = tl.where(is_v[:, None], x1.to(dtype), rotated1)
@@ -435,13 +444,14 @@ def qk_norm_rope_store(
     pdl: bool = False,
     q_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """In place on ``qkv`` [T, (num_heads + 2 * num_kv_heads) * head_dim] (unit last stride): q and k
-    RMS-normalised per head where a weight is given, then rotated (RoPE, rotate-half, ``cos_sin``
-    [max_position, head_dim] = [cos | sin] at ``positions`` [T]); k and v then written to the paged
+    """q and k RMS-normalised per head where a weight is given, then rotated (RoPE, rotate-half,
+    ``cos_sin`` [max_position, head_dim] = [cos | sin] at ``positions`` [T]), from ``qkv`` [T,
+    (num_heads + 2 * num_kv_heads) * head_dim] (unit last stride); k and v then written to the paged
     cache at ``slot_mapping`` [T] (-1: nothing); an FP8 cache stores clamp(x / scale, +-448) in e4m3.
-    An empty cache (numel 0) stores nothing. One launch. Returns q, k, v: views into ``qkv``, except
-    that with ``q_out`` [T, num_heads, head_dim] (unit last stride) q is written there (qkv's q part is
-    then left as it was) and q_out is returned."""
+    The rotated q goes back into ``qkv``, or to ``q_out`` [T, num_heads, head_dim] (unit last stride)
+    when given; the rotated k goes back into ``qkv`` only when the cache is empty (numel 0: nothing is
+    stored, and attention reads k from ``qkv``). One launch. Returns q (``q_out`` when given), k, v:
+    views into ``qkv`` (with a cache, k there is the unrotated projection)."""
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(
             f"qkv must be [tokens, (num_heads + 2 * num_kv_heads) * head_dim] = [tokens, "
