@@ -7,7 +7,8 @@
 2. Timing, in CUDA-graph replay (per call, averaged over a captured run of calls) unless noted:
    the elementwise kernels against the torch reference at T = 1, 256 and 16,384 (Qwen3-0.6B sizes); the
    sampler against softmax + exponential + argmax at batch 1 and 256 x 151,936; GEMV configurations
-   against cuBLAS for each Qwen3-0.6B projection at M = 1, 2, 4, 8, 16 (weight-read TB/s); decode
+   against cuBLAS for each Qwen3-0.6B projection at M = 1, 2, 4, 8, 16 (weight-read TB/s); the
+   projections at M = 32-256 under cuBLAS and cuBLASLt (torch's preferred BLAS library); decode
    variants at batch x context 1x600, 8x600, 64x1024, 256x1024 (bf16 and FP8 KV, KV TB/s); prefill
    configurations on a 16,384-token batch of 29 sequences (eager: milliseconds per call); decode and
    prefill on token-major and head-major caches (the engine's FP8 pool is head-major); a 28-layer
@@ -954,6 +955,41 @@ def time_gemv(gen, quick):
     RESULTS["timing"]["gemv"] = res
 
 
+GEMM_ROWS = (32, 64, 128, 256)
+
+
+def time_gemm(gen, quick):
+    """The projections at the workload's mid and large decode batches (32-256 rows), where they run at a
+    fraction of their weight-read bound: torch's two BLAS back ends (cuBLAS, cuBLASLt: its
+    ``preferred_blas_library``), each captured in a graph of back-to-back calls."""
+    res = {}
+    library = torch.backends.cuda.preferred_blas_library()
+    bandwidth = RESULTS["timing"].get("copy_bandwidth_tbps") or 4.2
+    for name, (n, k) in PROJECTIONS.items():
+        weight = randn(gen, n, k, scale=0.05)
+        for m in GEMM_ROWS if not quick else (64, 256):
+            x = randn(gen, m, k)
+            entry = {"floor_us": weight.numel() * 2 / bandwidth / 1e6}
+            for backend in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(backend)
+                try:
+                    entry[f"{backend}_us"] = graph_bench(partial(torch.nn.functional.linear, x, weight)) * 1e3
+                except Exception as exc:  # noqa: BLE001 - a back end this build lacks is reported
+                    entry[f"{backend}_error"] = repr(exc)[:200]
+                finally:
+                    torch.backends.cuda.preferred_blas_library(library)
+            res[f"{name} M={m}"] = entry
+            TABLE.append(
+                (
+                    f"gemm {name} {k}->{n} M={m} (graph)",
+                    f"cuBLAS {entry.get('cublas_us', float('nan')):.1f} us, cuBLASLt "
+                    f"{entry.get('cublaslt_us', float('nan')):.1f} us, weight read {entry['floor_us']:.1f} us",
+                )
+            )
+        del weight
+    RESULTS["timing"]["gemm"] = res
+
+
 def time_decode(gen, quick):
     res = {}
     configs = decode_configs(quick)
@@ -1664,8 +1700,8 @@ def guarded(name: str, stage: Callable) -> None:
 
 
 SECTIONS = (
-    "ceiling", "correctness", "elementwise", "sampler", "gemv", "decode", "decode_mixed", "prefill", "layout",
-    "mock_step",
+    "ceiling", "correctness", "elementwise", "sampler", "gemv", "gemm", "decode", "decode_mixed", "prefill",
+    "layout", "mock_step",
 )  # fmt: skip
 
 
@@ -1703,6 +1739,7 @@ def main() -> int:
         "elementwise": lambda: time_elementwise(gen, opts.quick),
         "sampler": lambda: time_sampler(gen, opts.quick),
         "gemv": lambda: time_gemv(gen, opts.quick),
+        "gemm": lambda: time_gemm(gen, opts.quick),
         "decode": lambda: time_decode(gen, opts.quick),
         "decode_mixed": lambda: time_decode_mixed(gen, opts.quick),
         "prefill": lambda: time_prefill(gen, opts.quick),

@@ -56,6 +56,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "category, kernels per step, host time left), graph replay times, a 16k-token prefill step",
     )
     parser.add_argument(
+        "--blas-library",
+        choices=["cublas", "cublaslt"],
+        help="torch's preferred BLAS library for the projections (set before the engine captures its "
+        "graphs; default: torch's own choice)",
+    )
+    parser.add_argument(
         "--async-ab",
         action="store_true",
         help="run the workload with async scheduling on and off (a fresh engine each, first pass)",
@@ -197,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: {e}") from None
 
     engine_kwargs = engine_kwargs_from_args(args)
+    if args.blas_library:
+        torch.backends.cuda.preferred_blas_library(args.blas_library)
     # The engine kept for the measurements after the workload (profiles, latency) is the last one: the
     # async one, the default on CUDA.
     modes = [False, True] if args.async_ab else [engine_kwargs.get("async_scheduling")]
@@ -245,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         **passes[0],
         "passes": passes,
         "engine": {k: str(v) for k, v in engine_kwargs.items()},
+        "blas_library": args.blas_library,
         "engine_stats": llm.engine_stats(),
     }
 
