@@ -983,7 +983,8 @@ def time_gemm(gen, quick):
                 (
                     f"gemm {name} {k}->{n} M={m} (graph)",
                     f"cuBLAS {entry.get('cublas_us', float('nan')):.1f} us, cuBLASLt "
-                    f"{entry.get('cublaslt_us', float('nan')):.1f} us, weight read {entry['floor_us']:.1f} us",
+                    f"{entry.get('cublaslt_us', float('nan')):.1f} us, "
+                    f"weight read {entry['floor_us']:.1f} us",
                 )
             )
         del weight
