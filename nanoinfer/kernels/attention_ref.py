@@ -4,9 +4,11 @@ KV cache layout (per layer): ``k_cache, v_cache: [num_blocks, block_size, num_kv
 A token's *slot* is ``block_id * block_size + offset``; ``slot_mapping`` holds one slot per new token
 (-1 marks a padding row that must write nothing).
 
-FP8 KV cache: a ``torch.float8_e4m3fn`` cache stores ``clamp(x / scale, -448, 448)`` rounded to e4m3, with
-one float32 scale per layer for K and one for V (1-element tensors; None means 1.0); readers multiply
-by the scale again. Scales are only accepted with an FP8 cache.
+FP8 KV cache: a ``torch.float8_e4m3fn`` cache stores ``clamp(x * (1 / scale), -448, 448)`` rounded to
+e4m3 (the reciprocal rounded to float32 first, then the product: one division per scale rather than per
+element, in the kernels as here), with one float32 scale per layer for K and one for V (1-element
+tensors; None means 1.0); readers multiply by the scale again. Scales are only accepted with an FP8
+cache.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ def check_kv_scales(cache_dtype: torch.dtype, k_scale, v_scale) -> None:
 
 
 def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``x`` (any float dtype) as e4m3: divided by ``scale``, clamped to the finite range, rounded."""
+    """``x`` (any float dtype) as e4m3: times the float32 reciprocal of ``scale``, clamped to the finite
+    range, rounded."""
     x = x.float()
     if scale is not None:
-        x = x / scale.to(x.device)
+        x = x * (1.0 / scale.to(device=x.device, dtype=torch.float32))
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

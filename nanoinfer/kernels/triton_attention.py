@@ -2,7 +2,7 @@
 
 Every kernel matches `attention_ref` (the tests check it). The cache layout is
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is ``block * block_size + offset``.
-An FP8 (``torch.float8_e4m3fn``) cache is quantized on write (``clamp(x / scale, +-448)``) and
+An FP8 (``torch.float8_e4m3fn``) cache is quantized on write (``clamp(x * (1 / scale), +-448)``) and
 dequantized in registers on read: K's scale folds into the softmax scale, V's into the output.
 
 CUDA-graph safety: no function here reads a device value on the host. Launch grids depend only on
@@ -235,7 +235,8 @@ def _matmul_dtype(q, cache_ptr):
 @triton.jit
 def _to_cache(x, scale, cache_ptr, FP8: tl.constexpr):
     if FP8:
-        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
+        # One correctly rounded division per tile, then products: as the reference rounds.
+        x = tl.clamp(x.to(tl.float32) * tl.math.div_rn(1.0, scale), -_FP8_MAX, _FP8_MAX)
     return x.to(cache_ptr.dtype.element_ty)
 
 
@@ -298,7 +299,7 @@ def store_kvcache(
 ) -> None:
     """Write ``key``/``value`` ([tokens, num_kv_heads, head_dim], any token/head strides) into the
     cache at ``slot_mapping`` ([tokens] int32/int64); slot -1 rows are skipped. An FP8 cache stores
-    clamp(x / scale, -448, 448) in e4m3 (scales: 1-element float32 tensors, None = 1)."""
+    clamp(x * (1 / scale), -448, 448) in e4m3 (scales: 1-element float32 tensors, None = 1)."""
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     check_kv_scales(k_cache.dtype, k_scale, v_scale)
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)

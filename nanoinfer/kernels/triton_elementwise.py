@@ -361,15 +361,17 @@ def _qk_norm_rope_store_kernel(
         kv1 = tl.where(is_v[:, None], x1.to(dtype), rotated1)
         kv2 = tl.where(is_v[:, None], x2.to(dtype), rotated2)
         if FP8_KV:
-            k_scale = 1.0
-            v_scale = 1.0
+            # Products with each scale's reciprocal (one division each, as the reference rounds): a
+            # division per element made the FP8 store twice as slow as the bf16 one.
+            k_inverse = 1.0
+            v_inverse = 1.0
             if K_SCALED:
-                k_scale = tl.load(k_scale_ptr)
+                k_inverse = tl.math.div_rn(1.0, tl.load(k_scale_ptr))
             if V_SCALED:
-                v_scale = tl.load(v_scale_ptr)
-            scale = tl.where(is_k, k_scale, v_scale)[:, None]
-            kv1 = tl.clamp(tl.math.div_rn(kv1.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
-            kv2 = tl.clamp(tl.math.div_rn(kv2.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
+                v_inverse = tl.math.div_rn(1.0, tl.load(v_scale_ptr))
+            inverse = tl.where(is_k, k_inverse, v_inverse)[:, None]
+            kv1 = tl.clamp(kv1.to(tl.float32) * inverse, -_FP8_MAX, _FP8_MAX)
+            kv2 = tl.clamp(kv2.to(tl.float32) * inverse, -_FP8_MAX, _FP8_MAX)
         cache_dtype = k_cache_ptr.dtype.element_ty
         kv1 = kv1.to(cache_dtype)
         kv2 = kv2.to(cache_dtype)
@@ -447,7 +449,7 @@ def qk_norm_rope_store(
     """q and k RMS-normalised per head where a weight is given, then rotated (RoPE, rotate-half,
     ``cos_sin`` [max_position, head_dim] = [cos | sin] at ``positions`` [T]), from ``qkv`` [T,
     (num_heads + 2 * num_kv_heads) * head_dim] (unit last stride); k and v then written to the paged
-    cache at ``slot_mapping`` [T] (-1: nothing); an FP8 cache stores clamp(x / scale, +-448) in e4m3.
+    cache at ``slot_mapping`` [T] (-1: nothing); an FP8 cache stores clamp(x * (1 / scale), +-448) in e4m3.
     The rotated q goes back into ``qkv``, or to ``q_out`` [T, num_heads, head_dim] (unit last stride)
     when given; the rotated k goes back into ``qkv`` only when the cache is empty (numel 0: nothing is
     stored, and attention reads k from ``qkv``). One launch. Returns q (``q_out`` when given), k, v:
