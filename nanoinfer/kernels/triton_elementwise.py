@@ -304,7 +304,7 @@ def _qk_norm_rope_store_kernel(
 
     # Everything a program reads is requested before any of it is used: the position and the slot
     # first (the cos/sin row depends on the position), so that their round trips overlap the rows'
-    # instead of following the norm's reduction. At prefill sizes this kernel is latency-bound.
+    # instead of following the norm's reduction.
     position = tl.load(positions_ptr + token).to(tl.int64)
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
