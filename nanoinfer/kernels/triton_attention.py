@@ -18,13 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels.attention_ref import FP8_DTYPE, FP8_MAX, check_kv_scales
-from nanoinfer.kernels.triton_elementwise import launch_options, pdl_prologue
+from nanoinfer.kernels.attention_ref import FP8_DTYPE, check_kv_scales
+from nanoinfer.kernels.triton_elementwise import inverse_kv_scale, kv_to_cache, launch_options, pdl_prologue
 
 _LOG2E = 1.4426950408889634
 _QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CACHE_DTYPES = (*_QUERY_DTYPES, FP8_DTYPE)
-_FP8_MAX = tl.constexpr(FP8_MAX)
 # With at least this many (sequence, kv head) programs per SM, splitting only adds merge work (H200,
 # bf16, head_dim 128: batch 64 x 4096 context, 4.2 TB/s unsplit against 4.0 with 4 splits).
 _DECODE_NO_SPLIT_PROGRAMS_PER_SM = 3
@@ -233,14 +232,6 @@ def _matmul_dtype(q, cache_ptr):
 
 
 @triton.jit
-def _to_cache(x, scale, cache_ptr, FP8: tl.constexpr):
-    if FP8:
-        # One correctly rounded division per tile, then products: as the reference rounds.
-        x = tl.clamp(x.to(tl.float32) * tl.math.div_rn(1.0, scale), -_FP8_MAX, _FP8_MAX)
-    return x.to(cache_ptr.dtype.element_ty)
-
-
-@triton.jit
 def _store_kvcache_kernel(
     key_ptr,
     value_ptr,
@@ -279,13 +270,13 @@ def _store_kvcache_kernel(
     k_dst = (
         k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
     )
-    tl.store(k_dst, _to_cache(k, _load_scale(k_scale_ptr, K_SCALED), k_cache_ptr, FP8), mask=mask)
+    tl.store(k_dst, kv_to_cache(k, inverse_kv_scale(k_scale_ptr, K_SCALED), k_cache_ptr, FP8), mask=mask)
 
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     v_dst = (
         v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
     )
-    tl.store(v_dst, _to_cache(v, _load_scale(v_scale_ptr, V_SCALED), v_cache_ptr, FP8), mask=mask)
+    tl.store(v_dst, kv_to_cache(v, inverse_kv_scale(v_scale_ptr, V_SCALED), v_cache_ptr, FP8), mask=mask)
 
 
 def store_kvcache(

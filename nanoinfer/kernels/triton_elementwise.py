@@ -50,6 +50,25 @@ def pdl_prologue(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def inverse_kv_scale(scale_ptr, SCALED: tl.constexpr):
+    """The float32 reciprocal of an FP8 cache's scale (one correctly rounded division), 1.0 without one."""
+    if SCALED:
+        return tl.math.div_rn(1.0, tl.load(scale_ptr))
+    else:
+        return 1.0
+
+
+@triton.jit
+def kv_to_cache(x, inverse_scale, cache_ptr, FP8: tl.constexpr):
+    """``x`` in the cache's dtype; into an FP8 cache clamp(x * inverse_scale, +-448) first, rounded as
+    ``attention_ref.quantize_fp8_ref`` rounds (products with the reciprocal, not a division per element:
+    that made the FP8 store twice as slow as the bf16 one)."""
+    if FP8:
+        x = tl.clamp(x.to(tl.float32) * inverse_scale, -_FP8_MAX, _FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
 def _check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{name} dtype must be one of {_FLOAT_DTYPES}, got {t.dtype}")
@@ -361,20 +380,13 @@ def _qk_norm_rope_store_kernel(
         kv1 = tl.where(is_v[:, None], x1.to(dtype), rotated1)
         kv2 = tl.where(is_v[:, None], x2.to(dtype), rotated2)
         if FP8_KV:
-            # Products with each scale's reciprocal (one division each, as the reference rounds): a
-            # division per element made the FP8 store twice as slow as the bf16 one.
-            k_inverse = 1.0
-            v_inverse = 1.0
-            if K_SCALED:
-                k_inverse = tl.math.div_rn(1.0, tl.load(k_scale_ptr))
-            if V_SCALED:
-                v_inverse = tl.math.div_rn(1.0, tl.load(v_scale_ptr))
+            k_inverse = inverse_kv_scale(k_scale_ptr, K_SCALED)
+            v_inverse = inverse_kv_scale(v_scale_ptr, V_SCALED)
             inverse = tl.where(is_k, k_inverse, v_inverse)[:, None]
-            kv1 = tl.clamp(kv1.to(tl.float32) * inverse, -_FP8_MAX, _FP8_MAX)
-            kv2 = tl.clamp(kv2.to(tl.float32) * inverse, -_FP8_MAX, _FP8_MAX)
-        cache_dtype = k_cache_ptr.dtype.element_ty
-        kv1 = kv1.to(cache_dtype)
-        kv2 = kv2.to(cache_dtype)
+        else:
+            inverse = 1.0
+        kv1 = kv_to_cache(kv1, inverse, k_cache_ptr, FP8_KV)
+        kv2 = kv_to_cache(kv2, inverse, k_cache_ptr, FP8_KV)
         k_rows = (is_k & (slot >= 0))[:, None]
         v_rows = (is_v & (slot >= 0))[:, None]
         k_ptrs = (
