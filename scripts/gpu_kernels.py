@@ -262,6 +262,17 @@ def check_elementwise(gen, token_counts=(1, 7, 256, 4097)):
         check_close("add_norm", {"T": tokens, "out": "residual"}, residual, expected_r)
         check_close("add_norm", {"T": tokens, "out": "x"}, x, expected_x)
 
+        for splits in (2, 4):
+            parts = torch.randn(splits, tokens, HIDDEN, generator=gen, device=DEVICE)
+            residual = randn(gen, tokens, HIDDEN)
+            expected_x, expected_r = K.eref.add_partials_rms_norm_ref(parts, residual.clone(), weight, EPS)
+            out = poison(tokens, HIDDEN)
+            K.elem.add_partials_rms_norm(parts, residual, weight, EPS, out=out)
+            check_close(
+                "add_partials_norm", {"T": tokens, "S": splits, "out": "residual"}, residual, expected_r
+            )
+            check_close("add_partials_norm", {"T": tokens, "S": splits, "out": "x"}, out, expected_x)
+
         gate_up = randn(gen, tokens, 2 * INTER)
         out = poison(tokens, INTER)
         K.elem.silu_and_mul(gate_up, out=out)
@@ -956,38 +967,88 @@ def time_gemv(gen, quick):
 
 
 GEMM_ROWS = (32, 64, 128, 256)
+# Enough distinct copies of a weight that back-to-back calls read it from DRAM, as the engine's layers
+# do, rather than from the 50 MB L2.
+ROTATED_WEIGHT_BYTES = 160 << 20
+
+
+def rotating(fn, *operands_per_copy) -> Callable:
+    """A call of ``fn`` that takes the next copy of its operands at each call."""
+    state = {"i": 0}
+
+    def call():
+        operands = operands_per_copy[state["i"] % len(operands_per_copy)]
+        state["i"] += 1
+        return fn(*operands)
+
+    return call
 
 
 def time_gemm(gen, quick):
-    """The projections at the workload's mid and large decode batches (32-256 rows), where they run at a
-    fraction of their weight-read bound: torch's two BLAS back ends (cuBLAS, cuBLASLt: its
-    ``preferred_blas_library``), each captured in a graph of back-to-back calls."""
+    """The projections at the workload's mid and large decode batches (32-256 rows), each captured in a
+    graph of back-to-back calls over rotating weight copies (read from DRAM, as the engine's layers
+    read them): cuBLAS, and the strided-batched split-K product of float32 partials at 2 and 4 splits.
+    For the projections that end a residual branch (o, down) also the engine's two ways through the
+    branch's end, under PDL: the projection (after silu_and_mul for down) then add_rms_norm, against
+    ``residual_branch_linear`` (split-K where ``residual_branch_splits`` says) then the norm that sums
+    the partials."""
+    from nanoinfer.layers import kernels as layer_kernels
+
+    kernels = layer_kernels.triton_kernels(pdl=True)
     res = {}
-    library = torch.backends.cuda.preferred_blas_library()
     bandwidth = RESULTS["timing"].get("copy_bandwidth_tbps") or 4.2
+    norm_weight = randn(gen, HIDDEN)
     for name, (n, k) in PROJECTIONS.items():
-        weight = randn(gen, n, k, scale=0.05)
+        if name == "lm_head":
+            continue
+        copies = max(2, ROTATED_WEIGHT_BYTES // (n * k * 2))
+        weights = [(randn(gen, n, k, scale=0.05),) for _ in range(copies)]
         for m in GEMM_ROWS if not quick else (64, 256):
             x = randn(gen, m, k)
-            entry = {"floor_us": weight.numel() * 2 / bandwidth / 1e6}
-            for backend in ("cublas", "cublaslt"):
-                torch.backends.cuda.preferred_blas_library(backend)
-                try:
-                    entry[f"{backend}_us"] = graph_bench(partial(torch.nn.functional.linear, x, weight)) * 1e3
-                except Exception as exc:  # noqa: BLE001 - a back end this build lacks is reported
-                    entry[f"{backend}_error"] = repr(exc)[:200]
-                finally:
-                    torch.backends.cuda.preferred_blas_library(library)
+            entry = {
+                "floor_us": n * k * 2 / bandwidth / 1e6,
+                "cublas_us": graph_bench(rotating(partial(torch.nn.functional.linear, x), *weights)) * 1e3,
+            }
+            for splits in (2, 4):
+                bmm = partial(layer_kernels.split_k_linear, x, splits=splits)
+                entry[f"split{splits}_us"] = graph_bench(rotating(bmm, *weights)) * 1e3
+            if name in ("o", "down"):
+                gated = name == "down"
+                x_in = randn(gen, m, 2 * k) if gated else x
+                residual = randn(gen, m, HIDDEN)
+
+                def before(w, x_in=x_in, residual=residual, gated=gated):
+                    y = (kernels.silu_mul_linear if gated else kernels.linear)(x_in, w)
+                    return kernels.add_rms_norm(y, residual, norm_weight, EPS)
+
+                def after(w, x_in=x_in, residual=residual, gated=gated):
+                    y = kernels.residual_branch_linear(x_in, w, None, gated)
+                    if isinstance(y, layer_kernels.SplitKPartials):
+                        return kernels.add_partials_rms_norm(y.parts, residual, norm_weight, EPS)
+                    return kernels.add_rms_norm(y, residual, norm_weight, EPS)
+
+                saved = residual.clone()
+                expected, _ = before(weights[0][0])
+                expected = expected.clone()
+                residual.copy_(saved)
+                got, _ = after(weights[0][0])
+                entry["branch_end_ok"] = rel_error(got, expected) < TOLERANCE
+                entry["branch_end_splits"] = layer_kernels.residual_branch_splits(m, n, k)
+                entry["branch_end_before_us"] = graph_bench(rotating(before, *weights)) * 1e3
+                entry["branch_end_after_us"] = graph_bench(rotating(after, *weights)) * 1e3
             res[f"{name} M={m}"] = entry
-            TABLE.append(
-                (
-                    f"gemm {name} {k}->{n} M={m} (graph)",
-                    f"cuBLAS {entry.get('cublas_us', float('nan')):.1f} us, cuBLASLt "
-                    f"{entry.get('cublaslt_us', float('nan')):.1f} us, "
-                    f"weight read {entry['floor_us']:.1f} us",
-                )
+            text = (
+                f"cuBLAS {entry['cublas_us']:.1f} us, split-K 2 / 4 {entry['split2_us']:.1f} / "
+                f"{entry['split4_us']:.1f} us, weight read {entry['floor_us']:.1f} us"
             )
-        del weight
+            if "branch_end_after_us" in entry:
+                text += (
+                    f"; +add_rms_norm {entry['branch_end_before_us']:.1f} -> "
+                    f"{entry['branch_end_after_us']:.1f} us (splits {entry['branch_end_splits']}"
+                    f"{'' if entry['branch_end_ok'] else ', MISMATCH'})"
+                )
+            TABLE.append((f"gemm {name} {k}->{n} M={m} (graph, DRAM weights)", text))
+        del weights
     RESULTS["timing"]["gemm"] = res
 
 
@@ -1551,6 +1612,16 @@ def compile_only(quick: bool) -> int:
             EPS,
         )
         attempt(f"silu_and_mul T={tokens}", K.elem.silu_and_mul, t(tokens, 2 * INTER), pdl=True)
+        for splits in (2, 4):
+            attempt(
+                f"add_partials_rms_norm T={tokens} S={splits}",
+                K.elem.add_partials_rms_norm,
+                torch.empty(splits, tokens, HIDDEN),
+                t(tokens, HIDDEN),
+                t(HIDDEN),
+                EPS,
+                pdl=True,
+            )
         qkv = t(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
         positions = torch.zeros(tokens, dtype=torch.long)
         for cache_dtype in (DTYPE, FP8):

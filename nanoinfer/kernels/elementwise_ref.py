@@ -32,6 +32,19 @@ def add_rms_norm_ref(
     return x, residual
 
 
+def add_partials_rms_norm_ref(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``parts`` [S, T, H] float32, a projection's partial products over S ranges of its input: their
+    sum (in split order, rounded to the activation dtype as the whole projection's output would be)
+    is added to ``residual`` in place as :func:`add_rms_norm_ref` adds ``x``. Returns a new normed
+    [T, H] tensor and ``residual``."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return add_rms_norm_ref(total.to(residual.dtype), residual, weight, eps)
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """``x`` [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)

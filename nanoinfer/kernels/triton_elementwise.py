@@ -102,19 +102,29 @@ def _rms_norm_kernel(
     stride_x,
     stride_r,
     stride_o,
+    stride_split,
     eps,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program = one row. With ADD_RESIDUAL the rounded sum x + residual is written to residual
-    and normalised; ``out`` may be ``x`` itself (each program reads its row before writing it)."""
+    and normalised; ``out`` may be ``x`` itself (each program reads its row before writing it). With
+    SPLITS > 0, x is that many float32 partial products ``stride_split`` apart, summed in split order
+    and rounded to the activation dtype first."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if SPLITS > 0:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        for split in tl.static_range(1, SPLITS):
+            x += tl.load(x_ptr + split * stride_split + row * stride_x + cols, mask=mask, other=0.0)
+        x = x.to(dtype)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
@@ -157,9 +167,11 @@ def rms_norm(
         x.stride(0),
         0,
         out.stride(0),
+        0,
         eps,
         BLOCK=block,
         ADD_RESIDUAL=False,
+        SPLITS=0,
         USE_PDL=pdl,
         num_warps=_row_warps(block),
         **launch_options(pdl, x.device),
@@ -194,14 +206,67 @@ def add_rms_norm(
         x.stride(0),
         residual.stride(0),
         x.stride(0),
+        0,
         eps,
         BLOCK=block,
         ADD_RESIDUAL=True,
+        SPLITS=0,
         USE_PDL=pdl,
         num_warps=_row_warps(block),
         **launch_options(pdl, x.device),
     )
     return x, residual
+
+
+def add_partials_rms_norm(
+    parts: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``parts`` [S, T, H] float32 (contiguous), a projection's partial products over S ranges of its
+    input (a split-K product): their sum, rounded to ``residual``'s dtype, is added to ``residual`` in
+    place as :func:`add_rms_norm` adds ``x``, and the normed rows go to a new [T, H] tensor (or ``out``).
+    Returns ``(out, residual)``: the split-K reduction without a kernel of its own."""
+    if parts.dim() != 3 or parts.dtype != torch.float32 or not parts.is_contiguous() or not len(parts):
+        raise ValueError(
+            f"parts must be a contiguous float32 [splits >= 1, tokens, hidden] tensor, got "
+            f"{tuple(parts.shape)} {parts.dtype}"
+        )
+    _check_rows("residual", residual)
+    _check_float("residual", residual)
+    if residual.shape != parts.shape[1:]:
+        raise ValueError(f"residual must be {tuple(parts.shape[1:])}, got {tuple(residual.shape)}")
+    num_rows, hidden = residual.shape
+    _check_norm_weight(weight, hidden)
+    if out is None:
+        out = torch.empty(num_rows, hidden, dtype=residual.dtype, device=residual.device)
+    elif out.shape != residual.shape or out.dtype != residual.dtype or (hidden and out.stride(1) != 1):
+        raise ValueError(f"out must be {tuple(residual.shape)} {residual.dtype} with stride(1) == 1")
+    if num_rows == 0 or hidden == 0:
+        return out, residual
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_rows,)](
+        parts,
+        residual,
+        weight,
+        out,
+        hidden,
+        parts.stride(1),
+        residual.stride(0),
+        out.stride(0),
+        parts.stride(0),
+        eps,
+        BLOCK=block,
+        ADD_RESIDUAL=True,
+        SPLITS=parts.shape[0],
+        USE_PDL=pdl,
+        num_warps=_row_warps(block),
+        **launch_options(pdl, residual.device),
+    )
+    return out, residual
 
 
 # ----------------------------------------------------------------------------------------------------

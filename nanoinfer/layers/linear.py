@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed import all_reduce, tp_rank, tp_size
-from nanoinfer.layers.kernels import REFERENCE_KERNELS
+from nanoinfer.layers.kernels import REFERENCE_KERNELS, SplitKPartials
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -144,16 +144,28 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """Input features split across ranks; partial sums are all-reduced at the exit. ``gated_input``:
     the input is a gated MLP's [gate | up] (this rank's slices of both), and the projection is over
-    silu(gate) * up (the MLP's down projection, with the activation fused into it)."""
+    silu(gate) * up (the MLP's down projection, with the activation fused into it).
+    ``ends_residual_branch``: the output only feeds the next residual add + RMSNorm (``RMSNorm`` with a
+    residual), so on one rank it may be returned as ``SplitKPartials`` for that norm to sum."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, gated_input: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        gated_input: bool = False,
+        ends_residual_branch: bool = False,
+    ):
         in_per_rank = _divide(in_features, tp_size(), "input features")
         super().__init__(in_per_rank, out_features, bias, tp_dim=1)
         self.gated_input = gated_input
+        self.ends_residual_branch = ends_residual_branch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         project = self.kernels.silu_mul_linear if self.gated_input else self.kernels.linear
         if self.tp_size == 1:
+            if self.ends_residual_branch:
+                return self.kernels.residual_branch_linear(x, self.weight, self.bias, self.gated_input)
             return project(x, self.weight, self.bias)
         # Only rank 0 adds the bias, so that the sum contains it once.
         y = project(x, self.weight, self.bias if self.tp_rank == 0 else None)

@@ -15,7 +15,7 @@ from torch import nn
 
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.kernels import REFERENCE_KERNELS
+from nanoinfer.layers.kernels import REFERENCE_KERNELS, SplitKPartials
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.rotary import RotaryEmbedding, rope_parameters
@@ -56,7 +56,9 @@ class DecoderAttention(nn.Module):
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * head_dim, cfg.hidden_size, variant.o_bias)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * head_dim, cfg.hidden_size, variant.o_bias, ends_residual_branch=True
+        )
         theta, scaling = rope_parameters(cfg)
         self.rotary = RotaryEmbedding(head_dim, max_position, theta, scaling)
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
@@ -68,7 +70,9 @@ class DecoderAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.kernels = REFERENCE_KERNELS
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | SplitKPartials:
         qkv = self.qkv_proj(x)  # [tokens, (heads + 2 * kv_heads) * head_dim]
         attn = self.attn
         # One kernel: per-head QK-norm (Qwen3), RoPE, and k/v written to their paged slots.
@@ -98,9 +102,11 @@ class DecoderMLP(nn.Module):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], variant.mlp_bias)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, variant.mlp_bias, gated_input=True)
+        self.down_proj = RowParallelLinear(
+            inter, cfg.hidden_size, variant.mlp_bias, gated_input=True, ends_residual_branch=True
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         return self.down_proj(self.gate_up_proj(x))
 
 

@@ -5,6 +5,7 @@ import torch
 
 from nanoinfer.kernels.attention_ref import FP8_DTYPE
 from nanoinfer.kernels.elementwise_ref import (
+    add_partials_rms_norm_ref,
     add_rms_norm_ref,
     qk_norm_rope_store_ref,
     rms_norm_ref,
@@ -60,6 +61,24 @@ def test_add_rms_norm_in_place(num_rows, hidden, pad, dtype):
     assert got_x is x and got_residual is residual
     assert_close(residual, expected_residual, dtype)
     assert_close(x, expected_x, dtype)
+
+
+@pytest.mark.parametrize("num_rows,hidden,splits", [(0, 64, 2), (1, 1024, 4), (7, 100, 3), (33, 64, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_partials_rms_norm(num_rows, hidden, splits, dtype):
+    """A split-K projection's float32 partials summed into the residual add: the same rows as the
+    reference (the sum in split order, rounded to the activation dtype as one projection's output)."""
+    kernels = _kernels()
+    gen = generator(num_rows * 5 + hidden + splits)
+    parts = randn(gen, splits, num_rows, hidden, dtype=torch.float32)
+    residual = _rows(gen, num_rows, hidden, dtype, 3)
+    weight = randn(gen, hidden, dtype=dtype)
+    expected_x, expected_residual = add_partials_rms_norm_ref(parts, residual.clone(), weight, 1e-5)
+    out = torch.full((num_rows, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    got_x, got_residual = kernels.add_partials_rms_norm(parts, residual, weight, 1e-5, out=out)
+    assert got_x is out and got_residual is residual
+    assert_close(residual, expected_residual, dtype)
+    assert_close(out, expected_x, dtype)
 
 
 @pytest.mark.parametrize("num_rows,inter,pad", [(0, 64, 0), (1, 1500, 0), (7, 300, 5), (33, 64, 0)])
@@ -236,6 +255,11 @@ def test_validation_names_the_field():
         kernels.add_rms_norm(x, x[:1], torch.zeros(64, dtype=DTYPE, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="intermediate"):
         kernels.silu_and_mul(torch.zeros(2, 63, dtype=DTYPE, device=DEVICE))
+    norm_weight = torch.zeros(64, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="parts must be a contiguous float32"):
+        kernels.add_partials_rms_norm(torch.zeros(2, 2, 64, dtype=DTYPE, device=DEVICE), x, norm_weight, 1e-6)
+    with pytest.raises(ValueError, match="residual must be"):
+        kernels.add_partials_rms_norm(torch.zeros(2, 3, 64, device=DEVICE), x, norm_weight, 1e-6)
     empty = torch.empty(0, device=DEVICE)
     positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
     cos_sin = torch.zeros(8, 16, device=DEVICE)
