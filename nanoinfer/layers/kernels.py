@@ -79,7 +79,7 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> SplitK
 def residual_branch_splits(m: int, n: int, k: int) -> int:
     """How many K ranges a residual branch's last projection is split into at ``m`` rows (1: none).
     Measured on an H200 (bf16; Qwen3-0.6B's attention output 2048 -> 1024 and MLP down 3072 -> 1024;
-    docs/benchmarks.md, runs 61-62): cuBLAS gives these narrow reducing projections few output tiles
+    docs/benchmarks.md, runs 61-63): cuBLAS gives these narrow reducing projections few output tiles
     (6.2-8.4 us per call at 32-256 rows, against 1.0-1.5 us of weight reads); as 4 partial products
     (2 above 128 rows) they took 4.7-6.4 us, and the sum moves into the next add_rms_norm. Up to 16
     rows the GEMV kernel runs them; above 256 (prompt steps) cuBLAS has tiles enough."""
