@@ -118,13 +118,11 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if SPLITS > 0:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         for split in tl.static_range(1, SPLITS):
             x += tl.load(x_ptr + split * stride_split + row * stride_x + cols, mask=mask, other=0.0)
         x = x.to(dtype)
-    else:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
@@ -142,6 +140,50 @@ def _check_norm_weight(weight: torch.Tensor, hidden: int) -> None:
     _check_float("weight", weight)
 
 
+def _output_rows(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``out`` checked to be [T, H] of ``like``'s shape and dtype with a unit last stride, or a new one."""
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if out.shape != like.shape or out.dtype != like.dtype or (like.shape[1] and out.stride(1) != 1):
+        raise ValueError(f"out must be {tuple(like.shape)} {like.dtype} with stride(1) == 1")
+    return out
+
+
+def _launch_row_norm(
+    x: torch.Tensor,
+    row_stride: int,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    pdl: bool,
+    splits: int = 0,
+    split_stride: int = 0,
+) -> None:
+    """One ``_rms_norm_kernel`` program per row of ``out`` (non-empty): the residual add first when
+    ``residual`` is given, ``x`` as ``splits`` partials ``split_stride`` apart when ``splits`` > 0."""
+    num_rows, hidden = out.shape
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_rows,)](
+        x,
+        x if residual is None else residual,
+        weight,
+        out,
+        hidden,
+        row_stride,
+        0 if residual is None else residual.stride(0),
+        out.stride(0),
+        split_stride,
+        eps,
+        BLOCK=block,
+        ADD_RESIDUAL=residual is not None,
+        SPLITS=splits,
+        USE_PDL=pdl,
+        num_warps=_row_warps(block),
+        **launch_options(pdl, x.device),
+    )
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, pdl: bool = False
 ) -> torch.Tensor:
@@ -151,31 +193,9 @@ def rms_norm(
     _check_float("x", x)
     num_rows, hidden = x.shape
     _check_norm_weight(weight, hidden)
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    elif out.shape != x.shape or out.dtype != x.dtype or (hidden and out.stride(1) != 1):
-        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} with stride(1) == 1")
-    if num_rows == 0 or hidden == 0:
-        return out
-    block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(num_rows,)](
-        x,
-        x,
-        weight,
-        out,
-        hidden,
-        x.stride(0),
-        0,
-        out.stride(0),
-        0,
-        eps,
-        BLOCK=block,
-        ADD_RESIDUAL=False,
-        SPLITS=0,
-        USE_PDL=pdl,
-        num_warps=_row_warps(block),
-        **launch_options(pdl, x.device),
-    )
+    out = _output_rows(out, x)
+    if num_rows and hidden:
+        _launch_row_norm(x, x.stride(0), None, weight, out, eps, pdl)
     return out
 
 
@@ -194,27 +214,8 @@ def add_rms_norm(
         )
     num_rows, hidden = x.shape
     _check_norm_weight(weight, hidden)
-    if num_rows == 0 or hidden == 0:
-        return x, residual
-    block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(num_rows,)](
-        x,
-        residual,
-        weight,
-        x,
-        hidden,
-        x.stride(0),
-        residual.stride(0),
-        x.stride(0),
-        0,
-        eps,
-        BLOCK=block,
-        ADD_RESIDUAL=True,
-        SPLITS=0,
-        USE_PDL=pdl,
-        num_warps=_row_warps(block),
-        **launch_options(pdl, x.device),
-    )
+    if num_rows and hidden:
+        _launch_row_norm(x, x.stride(0), residual, weight, x, eps, pdl)
     return x, residual
 
 
@@ -241,31 +242,9 @@ def add_partials_rms_norm(
         raise ValueError(f"residual must be {tuple(parts.shape[1:])}, got {tuple(residual.shape)}")
     num_rows, hidden = residual.shape
     _check_norm_weight(weight, hidden)
-    if out is None:
-        out = torch.empty(num_rows, hidden, dtype=residual.dtype, device=residual.device)
-    elif out.shape != residual.shape or out.dtype != residual.dtype or (hidden and out.stride(1) != 1):
-        raise ValueError(f"out must be {tuple(residual.shape)} {residual.dtype} with stride(1) == 1")
-    if num_rows == 0 or hidden == 0:
-        return out, residual
-    block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(num_rows,)](
-        parts,
-        residual,
-        weight,
-        out,
-        hidden,
-        parts.stride(1),
-        residual.stride(0),
-        out.stride(0),
-        parts.stride(0),
-        eps,
-        BLOCK=block,
-        ADD_RESIDUAL=True,
-        SPLITS=parts.shape[0],
-        USE_PDL=pdl,
-        num_warps=_row_warps(block),
-        **launch_options(pdl, residual.device),
-    )
+    out = _output_rows(out, residual)
+    if num_rows and hidden:
+        _launch_row_norm(parts, parts.stride(1), residual, weight, out, eps, pdl, len(parts), parts.stride(0))
     return out, residual
 
 
