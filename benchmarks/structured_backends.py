@@ -24,12 +24,16 @@ Three more modes measure nanoinfer's own ``GrammarCompiler`` on the largest voca
   where "auto" routes each schema; each case in a child process killed after ``--timeout`` seconds;
 - ``--fill-threads``: one step's 64-row fill by thread count, on the calling thread and on a worker
   thread beside a main thread that runs Python (what the GIL costs such a worker).
+- ``--fuel``: llguidance's lexer fuel (``backend.PARSER_LIMITS``): the least initial and per-step fuel
+  that realistic constraints (schemas, formats, regexes, 256 choices, a grammar, tool calls) need, and
+  what constraints with costly lexers (nested counted repeats) cost under the configured limits.
 
     python3 benchmarks/structured_backends.py [--tokenizers tiny,smollm2,qwen3] [--timeout 20]
         [--result-file benchmarks/results/structured_backends_cpu.json]
     python3 benchmarks/structured_backends.py --auto [--tokenizers qwen3] [--rows 64] [--steps 100]
     python3 benchmarks/structured_backends.py --limits [--tokenizers qwen3] [--threads 1]
     QWEN3_TOKENIZER=DIR python3 benchmarks/structured_backends.py --fill-threads --tokenizers qwen3
+    python3 benchmarks/structured_backends.py --fuel [--tokenizers qwen3] [--result-file F]
 """
 
 from __future__ import annotations
@@ -677,6 +681,188 @@ def measure_limits(tokenizer, vocab_size: int, timeout: float, threads: int | No
     return results
 
 
+# -- nanoinfer's llguidance limits: the fuel realistic constraints need, what costly ones cost under it ------
+
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"enum": ["c", "f"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "filters": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "field": {"type": "string"},
+                                "op": {"enum": ["eq", "lt", "gt"]},
+                                "value": {"anyOf": [{"type": "string"}, {"type": "number"}]},
+                            },
+                        },
+                    },
+                },
+                "required": ["query"],
+            },
+        },
+    },
+]
+_FORMATS = {
+    "type": "object",
+    "properties": {
+        "when": {"type": "string", "format": "date-time"},
+        "day": {"type": "string", "format": "date"},
+        "mail": {"type": "string", "format": "email"},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"},
+        "phone": {"type": "string", "pattern": "^\\+?[0-9]{7,15}$"},
+    },
+    "required": ["when", "day", "mail", "code", "phone"],
+}
+# What users send (StructuredOutputsParams fields; "tools": tool_choice="required" over _TOOLS).
+FUEL_REALISTIC = {
+    "schema": {"json": SCHEMA},
+    "schema_formats": {"json": _FORMATS},
+    "schema_40_nullable": {
+        "json": {
+            "type": "object",
+            "properties": {f"f{i}": {"type": ["string", "integer", "null"]} for i in range(40)},
+        }
+    },
+    "json_object": {"json_object": True},
+    "regex_email": {"regex": REGEX},
+    "regex_uuid": {"regex": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"},
+    "regex_ipv4": {"regex": r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)"},
+    "regex_sentence": {"regex": "[A-Z][a-z ,]{10,200}\\."},
+    "regex_long_repeat": {"regex": "[a-z ]{1,5000}"},
+    "regex_base64": {"regex": "[A-Za-z0-9+/]{100,4000}={0,2}"},
+    "schema_long_text": {
+        "json": {
+            "type": "object",
+            "properties": {
+                "text": {"type": "string", "maxLength": 8000},
+                "word": {"type": "string", "pattern": "^[a-z]{1,3000}$"},
+            },
+            "required": ["text", "word"],
+        }
+    },
+    "choice_256": {"choice": [f"option number {i} of the list" for i in range(256)]},
+    "grammar_arithmetic": {
+        "grammar": 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= factor (("*" | "/") factor)*\n'
+        'factor ::= [0-9]+ | "(" expr ")"'
+    },
+    "tools": "tools",
+}
+# Counted repeats that llguidance unrolls as its lexer derives them.
+FUEL_COSTLY = {
+    "regex_nested_repeat": {"regex": "((a{100}){100}){100}"},
+    "regex_repeat_of_repeat": {"regex": "(a{1000}){1000}"},
+    "regex_huge_repeat": {"regex": "a{100000}"},
+    "grammar_nested_repeat": {"grammar": "start: /((a{100}){100}){100}/"},
+}
+FUEL_LEVELS = (2_000, 5_000, 10_000, 20_000, 50_000, 100_000, 200_000, 1_000_000)
+
+
+def _fuel_params(fields):
+    from nanoinfer.structured import StructuredOutputsParams
+    from nanoinfer.structured.tools import tool_call_constraint
+
+    if fields == "tools":
+        return tool_call_constraint(_TOOLS, "required", ["<tool_call>", "</tool_call>"])
+    return StructuredOutputsParams(**fields)
+
+
+def _walk(compiler, params, vocab_size: int, seeds: int, steps: int) -> tuple[str | None, float]:
+    """Random walks of allowed tokens (EOS last): the first error (compile or mask) and the slowest
+    fill or accept, in ms."""
+    from nanoinfer.structured import allocate_token_bitmask
+
+    eos = set(compiler.eos_token_ids)
+    slowest = 0.0
+    for seed in range(seeds):
+        try:
+            grammar = compiler.compile(params)
+        except ValueError as e:
+            return str(e), slowest
+        rng = random.Random(seed)
+        bitmask = allocate_token_bitmask(1, vocab_size)
+        for _ in range(steps):
+            start = time.perf_counter()
+            grammar.fill_bitmask(bitmask, 0)
+            slowest = max(slowest, time.perf_counter() - start)
+            allowed = allowed_tokens(bitmask, 0, vocab_size)
+            if grammar.error is not None:
+                return grammar.error, slowest * 1e3
+            if set(allowed) <= eos:
+                break
+            start = time.perf_counter()
+            accepted = grammar.accept_token(rng.choice([t for t in allowed if t not in eos]))
+            slowest = max(slowest, time.perf_counter() - start)
+            if not accepted:
+                return grammar.error or "a token the mask allowed was refused", slowest * 1e3
+    return None, slowest * 1e3
+
+
+def measure_fuel(tokenizer, vocab_size: int) -> dict:
+    """The smallest initial and step lexer fuel (of ``FUEL_LEVELS``) that lets 3 random walks of each
+    realistic constraint through, the other limits as configured; then each costly constraint under the
+    configured limits: its compile (which computes the first mask), and its slowest fill or accept."""
+    import nanoinfer.structured.backend as backend
+
+    configured = dict(backend.PARSER_LIMITS)
+    needs: dict = {}
+    try:
+        for key in ("initial_lexer_fuel", "step_lexer_fuel"):
+            needs[key] = {}
+            for level in FUEL_LEVELS:
+                backend.PARSER_LIMITS = dict(configured, **{key: level})
+                compiler = backend.GrammarCompiler(tokenizer, vocab_size, backend="llguidance")
+                for name, fields in FUEL_REALISTIC.items():
+                    if name not in needs[key]:
+                        error, slowest = _walk(compiler, _fuel_params(fields), vocab_size, 3, 200)
+                        if error is None:
+                            needs[key][name] = level
+                            print(f"  {key} {level:>9,}: {name} walks through (slowest {slowest:.1f} ms)")
+            for name in FUEL_REALISTIC:
+                needs[key].setdefault(name, None)
+    finally:
+        backend.PARSER_LIMITS = configured
+    compiler = backend.GrammarCompiler(tokenizer, vocab_size)
+    costly = {}
+    for name, fields in FUEL_COSTLY.items():
+        params = _fuel_params(fields)
+        start = time.perf_counter()
+        try:
+            compiler.compile(params)
+        except ValueError as e:
+            costly[name] = {
+                "rejected_ms": round((time.perf_counter() - start) * 1e3, 1),
+                "error": str(e)[:160],
+            }
+        else:
+            compile_ms = round((time.perf_counter() - start) * 1e3, 1)
+            error, slowest = _walk(compiler, params, vocab_size, 1, 30)
+            costly[name] = {"compile_ms": compile_ms, "slowest_step_ms": round(slowest, 1), "error": error}
+        print(f"  {name:24s} {costly[name]}")
+    return {"limits": configured, "levels": FUEL_LEVELS, "needs": needs, "costly": costly}
+
+
 # -- tokenizers -------------------------------------------------------------------------------------------
 
 
@@ -752,6 +938,7 @@ def main() -> None:
     parser.add_argument(
         "--fill-threads", action="store_true", help="only the fill's thread scaling (xgrammar's, ours)"
     )
+    parser.add_argument("--fuel", action="store_true", help="only the lexer-fuel measurement")
     parser.add_argument("--rows", type=int, default=64, help="--auto: matchers per step")
     parser.add_argument("--steps", type=int, default=100, help="--auto: steps measured")
     parser.add_argument("--threads", type=int, default=None, help="--auto, --limits: GrammarCompiler's")
@@ -768,6 +955,19 @@ def main() -> None:
             )
             if args.result_file:
                 Path(args.result_file).write_text(json.dumps(result, indent=2) + "\n")
+            return
+        if args.fuel:
+            name = list(tokenizers)[-1]
+            print(f"llguidance lexer fuel, {name} tokenizer (model vocabulary {TOKENIZER_VOCAB[name]}):")
+            result = {
+                "date": datetime.date.today().isoformat(),
+                "cpu": _cpu_name(),
+                "tokenizer": name,
+                **measure_fuel(tokenizers[name], TOKENIZER_VOCAB[name]),
+            }
+            if args.result_file:
+                Path(args.result_file).write_text(json.dumps(result, indent=2) + "\n")
+                print(f"wrote {args.result_file}")
             return
         if args.auto or args.limits:
             name = list(tokenizers)[-1]

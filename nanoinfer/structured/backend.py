@@ -58,14 +58,19 @@ logger = logging.getLogger(__name__)
 
 BITS_PER_WORD = 32
 
-# llguidance's resource limits, set explicitly so that no request can make a step slow: building the
-# lexer is bounded by initial_lexer_fuel (about 50k units per ms), each mask by step_lexer_fuel (about
-# 14k units per ms) and step_max_items (about 20k per ms); the grammar's size and the number of lexer
-# states (1-2 kB each, built lazily) bound the memory of one request. A grammar over a limit is
-# rejected when it is compiled, or its request ends (``Grammar.error``) when a step would exceed one.
+# llguidance's resource limits, set explicitly so that no request can make a step slow. Building the
+# lexer's initial state is bounded by initial_lexer_fuel, each later mask by step_lexer_fuel and
+# step_max_items; the grammar's size and the number of lexer states (1-2 kB each, built lazily) bound the
+# memory of one request. The fuels are 5x what the most demanding realistic constraint of
+# ``benchmarks/structured_backends.py --fuel`` needs at Qwen3's vocabulary (20k initial for an IPv4
+# regex, 10k per step for JSON schemas), and bound the costliest masks measured there (nested counted
+# repeats) to 30-45 ms on the CPU box, where the library's default initial fuel (1M) let one mask take
+# 0.5-0.7 s, holding up the whole step. A constraint whose first mask exceeds a limit is rejected when
+# it is compiled (``GrammarCompiler.compile``); one that exceeds a limit at a later step ends its request
+# (``Grammar.error``).
 PARSER_LIMITS = dict(
-    initial_lexer_fuel=1_000_000,
-    step_lexer_fuel=200_000,
+    initial_lexer_fuel=100_000,
+    step_lexer_fuel=50_000,
     step_max_items=50_000,
     max_items_in_row=2_000,
     max_grammar_size=500_000,
@@ -295,20 +300,33 @@ class GrammarCompiler:
         if compiled is not None:
             return self._matcher(params, compiled)
         compiled = self._compile(params)
-        grammar = self._matcher(params, compiled)  # an invalid constraint raises here, and is not kept
+        # An invalid constraint raises here, and is not kept.
+        grammar = self._matcher(params, compiled, probe=True)
         with self._compiled_lock:
             self._compiled[key] = compiled
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
         return grammar
 
-    def _matcher(self, params: StructuredOutputsParams, compiled: str | Any) -> Grammar:
+    def _matcher(self, params: StructuredOutputsParams, compiled: str | Any, probe: bool = False) -> Grammar:
+        """A matcher of ``compiled``. ``probe``: compute its first mask now (llguidance), so that a
+        constraint whose lexer is too costly to build is rejected here, naming its field, instead of
+        failing its request at its first step after holding up that step's batch (the matcher keeps the
+        state it built, so the engine's first fill of it does not pay again)."""
         if not isinstance(compiled, str):
             return self._xgrammar.matcher(compiled)
         matcher = llguidance.LLMatcher(self._tokenizer, compiled, log_level=0, limits=self._limits)
         if matcher.is_error():
             message = _first_lines(matcher.get_error())
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {message}")
+        if probe:
+            matcher.compute_bitmask()
+            if matcher.is_error():
+                message = _first_lines(matcher.get_error())
+                raise ValueError(
+                    f"structured_outputs.{params.kind} is too complex to match (a limit of the grammar "
+                    f"library was hit building its first token mask): {message}"
+                )
         return LLGuidanceGrammar(matcher, self.vocab_size, self.eos_token_ids)
 
     def _compile(self, params: StructuredOutputsParams) -> str | Any:
