@@ -25,6 +25,19 @@ def tiny_qwen3(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_thinker(tmp_path_factory) -> str:
+    """tiny_qwen3's random model whose tokenizer has ``<think>`` and ``</think>`` as tokens (ids 384 and
+    385 of a 400-token vocabulary), as Qwen3's has: what a reasoning parser's constraint gate needs."""
+    from transformers import AutoTokenizer
+
+    path = build_model(str(tmp_path_factory.mktemp("tiny_thinker")), vocab_size=400)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_tied(tmp_path_factory) -> str:
     return build_model(
         str(tmp_path_factory.mktemp("tiny_qwen3_tied")), tie_word_embeddings=True, num_hidden_layers=3, seed=1

@@ -35,6 +35,12 @@ def prompt_opens_reasoning(prompt: str) -> bool:
     return start >= 0 and prompt.find(THINK_END, start) < 0
 
 
+def prompt_closes_reasoning(prompt: str) -> bool:
+    """Whether the prompt ends with a closed ``<think>...</think>`` block (a template that turns the
+    reasoning off writes an empty one: Qwen3's with ``enable_thinking=False``)."""
+    return prompt.rstrip(_WHITESPACE).endswith(THINK_END)
+
+
 def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker`` (how much of a
     tag a stream may have begun; the tool-call parser uses it too)."""

@@ -52,6 +52,8 @@ from nanoinfer.entrypoints.structured_requests import (
     ChatOutputParser,
     ChatStreamParser,
     ToolOptions,
+    constrain_after_reasoning,
+    reasoning_token_ids,
     request_constraint,
 )
 from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
@@ -112,6 +114,7 @@ class OpenAIServer:
         self._special_tokens = frozenset(
             t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
         )
+        self._think_token_ids = reasoning_token_ids(tokenizer) if self.tool_options.reasoning_parser else None
         # Arguments of apply_chat_template itself: chat_template_kwargs are template variables only.
         self._reserved_template_kwargs = set(inspect.signature(tokenizer.apply_chat_template).parameters)
         # One thread renders and tokenizes prompts, one request at a time: a fast tokenizer object is not
@@ -468,6 +471,8 @@ class OpenAIServer:
         constraint = request_constraint(request, self._special_tokens)
         prompts, chat_text = await self._on_tokenizer_thread(self._prompt_token_ids, request)
         parser = ChatOutputParser(request, self.tool_options, chat_text) if chat else None
+        if parser is not None and parser.reasoning is not None:
+            constraint = constrain_after_reasoning(constraint, self._think_token_ids, chat_text)
         echo = None
         if not chat and request.echo:
             echo = _Echo(prompts, await self._on_tokenizer_thread(self._echo_texts, request, prompts))

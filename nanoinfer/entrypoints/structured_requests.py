@@ -17,14 +17,21 @@ parsed for calls, which needs the server's ``--enable-auto-tool-choice --tool-ca
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from nanoinfer.entrypoints.openai_protocol import APIError
-from nanoinfer.entrypoints.reasoning_parsers import Qwen3ReasoningParser, prompt_opens_reasoning
+from nanoinfer.entrypoints.reasoning_parsers import (
+    THINK_END,
+    THINK_START,
+    Qwen3ReasoningParser,
+    prompt_closes_reasoning,
+    prompt_opens_reasoning,
+)
 from nanoinfer.entrypoints.tool_parsers import HermesToolParser
-from nanoinfer.structured.params import StructuredOutputsParams
+from nanoinfer.structured.params import ReasoningSpan, StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes",)
 REASONING_PARSERS = ("qwen3",)
@@ -137,6 +144,28 @@ def request_constraint(request: Any, special_tokens: Collection[str]) -> Structu
         fields = " and ".join(field for field, _ in found)
         raise APIError(f"only one output constraint may be given, got {fields}", param=found[1][0])
     return found[0][1] if found else None
+
+
+def reasoning_token_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The ids of ``<think>`` and ``</think>`` where the tokenizer has each as one token (Qwen3's has),
+    else None."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
+    if all(len(tag_ids) == 1 for tag_ids in ids):
+        return ids[0][0], ids[1][0]
+    return None
+
+
+def constrain_after_reasoning(
+    constraint: StructuredOutputsParams | None, think_token_ids: tuple[int, int] | None, prompt: str
+) -> StructuredOutputsParams | None:
+    """With a reasoning parser, a chat request's constraint applies to the answer after the reasoning
+    (vLLM's behaviour): the reasoning stays free. Unchanged where the tokenizer has no single
+    ``<think>`` / ``</think>`` tokens (``think_token_ids`` None: the gate works on token ids), or where
+    the prompt closed the reasoning (the answer comes first)."""
+    if constraint is None or think_token_ids is None or prompt_closes_reasoning(prompt):
+        return constraint
+    span = ReasoningSpan(*think_token_ids, opened=prompt_opens_reasoning(prompt))
+    return dataclasses.replace(constraint, reasoning=span)
 
 
 def effective_tool_choice(request: Any) -> str | dict | None:

@@ -1,6 +1,7 @@
 """Structured outputs: constraining generation to a JSON schema, regex, choice list or grammar.
 
-``StructuredOutputsParams`` says what the output must look like; ``GrammarCompiler`` (one per engine)
+``StructuredOutputsParams`` says what the output must look like (with a ``ReasoningSpan``: what follows
+a reasoning model's reasoning); ``GrammarCompiler`` (one per engine)
 turns it into a per-request ``Grammar`` matcher that fills token bitmasks; ``apply_token_bitmask_ref``
 (torch) and ``triton_bitmask.apply_token_bitmask`` (GPU) apply them to logits; ``tool_call_constraint``
 builds the constraint that forces OpenAI tool calls.
@@ -12,7 +13,7 @@ are imported on first access).
 
 import importlib
 
-from nanoinfer.structured.params import StructuredOutputsParams
+from nanoinfer.structured.params import ReasoningSpan, StructuredOutputsParams
 
 _LAZY = {
     "Grammar": "nanoinfer.structured.backend",
@@ -22,7 +23,7 @@ _LAZY = {
     "tool_call_constraint": "nanoinfer.structured.tools",
 }
 
-__all__ = ["StructuredOutputsParams", *_LAZY]
+__all__ = ["ReasoningSpan", "StructuredOutputsParams", *_LAZY]
 
 
 def __getattr__(name: str):

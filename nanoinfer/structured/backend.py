@@ -49,7 +49,7 @@ import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
-from nanoinfer.structured.params import StructuredOutputsParams
+from nanoinfer.structured.params import ReasoningSpan, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from nanoinfer.structured.xgrammar_backend import XGrammarCompiler
@@ -197,11 +197,71 @@ def set_only(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
     """``bitmask[row]`` allows exactly ``token_ids``."""
     bitmask[row].zero_()
     for token_id in token_ids:
-        word = token_id // BITS_PER_WORD
-        bit = token_id % BITS_PER_WORD
-        # Bit 31 is the sign bit of an int32 word.
-        value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
-        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+        allow(bitmask, row, token_id)
+
+
+def allow(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """``bitmask[row]`` allows ``token_id`` too."""
+    word, bit = divmod(token_id, BITS_PER_WORD)
+    # Bit 31 is the sign bit of an int32 word.
+    value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+# Where the output of a ``ReasoningGate`` is: before its first token (it may open the reasoning or
+# answer), in the reasoning, or in the answer (under the constraint).
+UNDECIDED, REASONING, ANSWER = "undecided", "reasoning", "answer"
+
+
+class ReasoningGate(Grammar):
+    """A constraint that applies after the model's reasoning (see ``ReasoningSpan``): ``inner`` matches
+    the answer alone. Its first token may be the span's start token (beside what ``inner`` allows
+    first); from there to the end token every token is allowed and none is fed to ``inner``."""
+
+    def __init__(self, inner: Grammar, span: ReasoningSpan):
+        self.inner = inner
+        self.backend = inner.backend
+        self.span = span
+        self.state = REASONING if span.opened else UNDECIDED
+        self.num_accepted = 0
+
+    def accept_token(self, token_id: int) -> bool:
+        state = self.state
+        if state == REASONING or (state == UNDECIDED and token_id == self.span.start_token_id):
+            if token_id == self.span.end_token_id:
+                self.state = ANSWER
+            elif state == UNDECIDED:
+                self.state = REASONING
+        elif not self.inner.accept_token(token_id):
+            return False
+        else:
+            self.state = ANSWER
+        self.num_accepted += 1
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.state == REASONING:
+            check_row(bitmask, row)
+        else:
+            self.inner.fill_bitmask(bitmask, row)
+        self.after_inner_fill(bitmask, row)
+
+    def after_inner_fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Completes row ``row`` once ``inner`` has filled it (or, in the reasoning, instead)."""
+        if self.state == REASONING:
+            bitmask[row] = -1
+        elif self.state == UNDECIDED and self.inner.error is None:
+            allow(bitmask, row, self.span.start_token_id)
+
+    def is_terminated(self) -> bool:
+        return self.state == ANSWER and self.inner.is_terminated()
+
+    def is_accepting(self) -> bool:
+        return self.state == REASONING or self.inner.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        return self.inner.error
 
 
 BACKENDS = ("auto", "llguidance", "xgrammar")
@@ -297,16 +357,25 @@ class GrammarCompiler:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
+        span = params.reasoning
+        if span is not None and not all(
+            0 <= t < self.vocab_size for t in (span.start_token_id, span.end_token_id)
+        ):
+            raise ValueError(
+                f"structured_outputs.reasoning's token ids must be in [0, {self.vocab_size}), got "
+                f"{span.start_token_id} and {span.end_token_id}"
+            )
         if compiled is not None:
-            return self._matcher(params, compiled)
-        compiled = self._compile(params)
-        # An invalid constraint raises here, and is not kept.
-        grammar = self._matcher(params, compiled, probe=True)
-        with self._compiled_lock:
-            self._compiled[key] = compiled
-            while len(self._compiled) > COMPILED_KEPT:
-                self._compiled.popitem(last=False)
-        return grammar
+            grammar = self._matcher(params, compiled)
+        else:
+            compiled = self._compile(params)
+            # An invalid constraint raises here, and is not kept.
+            grammar = self._matcher(params, compiled, probe=True)
+            with self._compiled_lock:
+                self._compiled[key] = compiled
+                while len(self._compiled) > COMPILED_KEPT:
+                    self._compiled.popitem(last=False)
+        return grammar if span is None else ReasoningGate(grammar, span)
 
     def _matcher(self, params: StructuredOutputsParams, compiled: str | Any, probe: bool = False) -> Grammar:
         """A matcher of ``compiled``. ``probe``: compute its first mask now (llguidance), so that a
@@ -423,12 +492,27 @@ class GrammarCompiler:
     def fill_bitmasks(self, grammars: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
         """``fill_bitmask`` of many (grammar, row) pairs at once: llguidance's rows in parallel on its
         threads (``num_threads``, default 80% of the cores up to 32), then xgrammar's on its threads (as
-        many). Rows not listed are left as they are."""
+        many); a ``ReasoningGate``'s row as its state says. Rows not listed are left as they are."""
         words = bitmask_words(self.vocab_size)
         check_bitmask(bitmask, words)
         rows = [row for _, row in grammars]
         if len(set(rows)) != len(rows) or not all(0 <= row < bitmask.shape[0] for row in rows):
             raise ValueError(f"rows must be distinct and in [0, {bitmask.shape[0]}), got {rows}")
+        gates = [(g, row) for g, row in grammars if isinstance(g, ReasoningGate)]
+        if gates:
+            # A gate in the reasoning fills its row alone; the others' constraints fill with the rest.
+            grammars = [
+                (g.inner, row) if isinstance(g, ReasoningGate) else (g, row)
+                for g, row in grammars
+                if not isinstance(g, ReasoningGate) or g.state != REASONING
+            ]
+        self._fill_matchers(grammars, bitmask, words)
+        for gate, row in gates:
+            gate.after_inner_fill(bitmask, row)
+
+    def _fill_matchers(
+        self, grammars: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor, words: int
+    ) -> None:
         ours = [(g, row) for g, row in grammars if isinstance(g, LLGuidanceGrammar)]
         if len(ours) < len(grammars):
             theirs = [(g, row) for g, row in grammars if not isinstance(g, LLGuidanceGrammar)]

@@ -35,6 +35,31 @@ def _check_text(field: str, value: object, max_bytes: int) -> None:
         raise ValueError(f"structured_outputs.{field} must be at most {max_bytes} bytes, got {size}")
 
 
+@dataclass(frozen=True)
+class ReasoningSpan:
+    """Where a reasoning model thinks before it answers: ``<think>`` (``start_token_id``) ...
+    ``</think>`` (``end_token_id``), each one token. A constraint with a span leaves the reasoning free
+    and constrains what follows it, as vLLM does with a reasoning parser: the first token may open the
+    reasoning (the start token is allowed beside what the constraint allows) or answer at once, and
+    everything up to the end token is unconstrained. ``opened``: the prompt opened the reasoning (its
+    template ends with ``<think>``), so the output starts inside it. The server sets it from
+    ``--reasoning-parser``."""
+
+    start_token_id: int
+    end_token_id: int
+    opened: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("start_token_id", "end_token_id"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"structured_outputs.reasoning.{name} must be a token id, got {value!r}")
+        if self.start_token_id == self.end_token_id:
+            raise ValueError("structured_outputs.reasoning: start_token_id and end_token_id must differ")
+        if not isinstance(self.opened, bool):
+            raise ValueError(f"structured_outputs.reasoning.opened must be a bool, got {self.opened!r}")
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrains a request's output to exactly one of:
@@ -53,6 +78,9 @@ class StructuredOutputsParams:
     without whitespace between tokens (separators ``,`` and ``:``), so a schema whose strings, arrays and
     numbers are bounded always completes within a bounded number of tokens. False allows any amount of
     whitespace, which a weak model can fill until ``max_tokens``.
+
+    ``reasoning`` (not a vLLM field: the server sets it from ``--reasoning-parser``): a
+    ``ReasoningSpan``, so that the constraint applies to the answer after the model's reasoning.
     """
 
     json: dict[str, Any] | str | None = None
@@ -61,8 +89,13 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = True
+    reasoning: ReasoningSpan | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpan):
+            raise ValueError(
+                f"structured_outputs.reasoning must be None or a ReasoningSpan, got {self.reasoning!r:.80}"
+            )
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
         if not isinstance(self.disable_any_whitespace, bool):

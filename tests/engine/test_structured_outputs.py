@@ -11,6 +11,7 @@ import pytest
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
 from nanoinfer.sampling_params import RequestOutputKind
+from nanoinfer.structured import ReasoningSpan
 
 SCHEMA = {
     "type": "object",
@@ -53,20 +54,24 @@ CHECKS = {
 }
 
 
-@pytest.fixture(
-    scope="module",
-    params=[(False, 0), (True, 0), (True, 2)],
-    ids=["sync", "async", "async-grammar-processes"],
-)
-def llm(request, tiny_qwen3):
-    async_scheduling, num_grammar_processes = request.param
-    engine = LLM(
-        tiny_qwen3,
+# (async_scheduling, num_grammar_processes) of each engine the tests run on.
+ENGINE_MODES = {"sync": (False, 0), "async": (True, 0), "async-grammar-processes": (True, 2)}
+
+
+def _engine(model: str, mode: str) -> LLM:
+    async_scheduling, num_grammar_processes = ENGINE_MODES[mode]
+    return LLM(
+        model,
         device="cpu",
         async_scheduling=async_scheduling,
         num_grammar_processes=num_grammar_processes,
         max_num_seqs=16,
     )
+
+
+@pytest.fixture(scope="module", params=list(ENGINE_MODES))
+def llm(request, tiny_qwen3):
+    engine = _engine(tiny_qwen3, request.param)
     yield engine
     engine.close()
 
@@ -209,6 +214,60 @@ def test_constrained_requests_survive_preemption(tiny_qwen3):
         _no_leak(llm)
     finally:
         llm.close()
+
+
+THINK, END_THINK = 384, 385  # tiny_thinker's <think> and </think>
+
+
+@pytest.fixture(scope="module", params=["sync", "async-grammar-processes"])
+def thinker_llm(request, tiny_thinker):
+    engine = _engine(tiny_thinker, request.param)
+    yield engine
+    engine.close()
+
+
+# How each output begins (logit biases steer the random model: the first token allowed with the largest
+# bias wins), and whether the prompt opened the reasoning.
+REASONING_CASES = {
+    "opens_and_closes_its_reasoning": (False, {THINK: 30, END_THINK: 40}),
+    "reasons_in_the_reasoning_the_prompt_opened": (True, {END_THINK: 5}),
+    "answers_at_once": (False, {93: 30}),  # 93: "{"
+}
+
+
+@pytest.mark.parametrize("case", list(REASONING_CASES))
+def test_a_constraint_after_reasoning_leaves_the_reasoning_free(thinker_llm, case):
+    opened, bias = REASONING_CASES[case]
+    span = ReasoningSpan(THINK, END_THINK, opened=opened)
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=seed,
+            max_tokens=300,
+            logit_bias=bias,
+            structured_outputs=StructuredOutputsParams(json=SCHEMA, reasoning=span),
+        )
+        for seed in range(6)
+    ]
+    reasoned = 0
+    for output in thinker_llm.generate(PROMPTS[:3] * 2, params, use_tqdm=False):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        ids = completion.token_ids
+        if case == "answers_at_once":
+            assert THINK not in ids and END_THINK not in ids
+            answer = completion.text
+        else:
+            start = 0 if opened else 1  # where the reasoning's text begins
+            assert ids[:start] == [THINK] * start
+            end = ids.index(END_THINK)
+            assert THINK not in ids[end:] and END_THINK not in ids[end + 1 :]
+            reasoned += end > start
+            answer = completion.text.split("</think>", 1)[1]
+        check_schema(answer)
+    # The reasoning the prompt opened is free text before the answer (for some seeds).
+    assert reasoned > 0 or case != "reasons_in_the_reasoning_the_prompt_opened"
+    _no_leak(thinker_llm)
 
 
 BAD_CONSTRAINTS = [

@@ -4,7 +4,11 @@ import random
 
 import pytest
 
-from nanoinfer.entrypoints.reasoning_parsers import Qwen3ReasoningParser, prompt_opens_reasoning
+from nanoinfer.entrypoints.reasoning_parsers import (
+    Qwen3ReasoningParser,
+    prompt_closes_reasoning,
+    prompt_opens_reasoning,
+)
 
 # (output, in_reasoning, expected reasoning, expected content)
 CASES = [
@@ -86,14 +90,16 @@ def test_content_without_tags_is_streamed_at_once():
 
 
 @pytest.mark.parametrize(
-    "prompt, opens",
+    "prompt, opens, closes",
     [
-        ("<|im_start|>assistant\n<think>\n", True),
-        ("<|im_start|>assistant\n", False),
+        ("<|im_start|>assistant\n<think>\n", True, False),
+        ("<|im_start|>assistant\n", False, False),
         # enable_thinking=False: the template closes an empty reasoning block.
-        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
-        ("earlier turn <think>x</think> answer <|im_start|>assistant\n<think>", True),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False, True),
+        ("earlier turn <think>x</think> answer <|im_start|>assistant\n<think>", True, False),
+        ("earlier turn <think>x</think> answer <|im_start|>assistant\n", False, False),
     ],
 )
-def test_prompt_opens_reasoning(prompt, opens):
+def test_prompt_opens_or_closes_reasoning(prompt, opens, closes):
     assert prompt_opens_reasoning(prompt) is opens
+    assert prompt_closes_reasoning(prompt) is closes

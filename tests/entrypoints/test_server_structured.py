@@ -362,3 +362,87 @@ def test_server_startup_rejects_auto_tool_choice_without_a_parser(tiny_qwen3, ca
     args = parser.parse_args(["serve", tiny_qwen3, "--enable-auto-tool-choice"])
     with pytest.raises(SystemExit, match="needs --tool-call-parser"):
         args.func(args)
+
+
+# A template that turns the reasoning on (the prompt ends inside <think>) or off (an empty block), as
+# Qwen3's enable_thinking does; left out, the model may open the reasoning itself.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if thinking is defined %}{% if thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}{% endif %}"
+)
+THINK, END_THINK = "384", "385"  # tiny_thinker's <think> and </think>, as logit_bias keys
+
+
+@pytest.fixture(scope="module")
+def thinking_client(tiny_thinker, tmp_path_factory):
+    kwargs = dict(ENGINE_KWARGS, chat_template=THINKING_TEMPLATE)
+    llm = AsyncLLM(lambda: LLMEngine.from_kwargs(tiny_thinker, **kwargs))
+    slow_steps = FlagFile(str(tmp_path_factory.mktemp("flags") / "unused"))
+    try:
+        with _uvicorn_in_thread(llm, slow_steps, tool_options=ToolOptions(reasoning_parser="qwen3")) as srv:
+            yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0), srv
+    finally:
+        llm.shutdown()
+
+
+# (chat_template_kwargs, logit_bias, whether some reasoning must come back over the seeds, the first
+# token of every output)
+THINKING_CASES = {
+    "model_opens_and_closes_its_reasoning": (None, {THINK: 30, END_THINK: 40}, False, "<think>"),
+    "prompt_opened_the_reasoning": ({"thinking": True}, {END_THINK: 5}, True, None),
+    # The reasoning is off: <think> is not allowed, however likely.
+    "prompt_closed_the_reasoning": ({"thinking": False}, {THINK: 30}, False, "{"),
+}
+
+
+@pytest.mark.parametrize("case", list(THINKING_CASES))
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_with_a_reasoning_parser_the_constraint_applies_after_the_reasoning(thinking_client, case, stream):
+    client, running = thinking_client
+    template_kwargs, bias, must_reason, first_token = THINKING_CASES[case]
+    extra_body = {"chat_template_kwargs": template_kwargs} if template_kwargs else None
+    reasoned = 0
+    for seed in range(4):
+        kwargs = dict(
+            model=MODEL, messages=USER, temperature=1.0, seed=seed, max_tokens=200, logit_bias=bias,
+            extra_body=extra_body,
+        )  # fmt: skip
+        if stream:
+            schema = {
+                "name": "person",
+                "schema": {**Person.model_json_schema(), "additionalProperties": False},
+            }
+            chunks = list(
+                client.chat.completions.create(
+                    **kwargs, stream=True, response_format={"type": "json_schema", "json_schema": schema}
+                )
+            )
+            reasoning = "".join(
+                getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+            )
+            person = Person.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks))
+        else:
+            choice = client.chat.completions.parse(**kwargs, response_format=Person, logprobs=True).choices[0]
+            reasoning, person = choice.message.reasoning_content or "", choice.message.parsed
+            assert first_token is None or choice.logprobs.content[0].token == first_token
+        assert isinstance(person, Person)
+        assert "think>" not in reasoning
+        reasoned += bool(reasoning)
+    assert reasoned > 0 if must_reason else reasoned == 0
+    _no_leak(running)
+
+
+def test_the_gate_needs_think_tags_that_are_single_tokens(tiny_qwen3, tiny_thinker):
+    from transformers import AutoTokenizer
+
+    assert structured_requests.reasoning_token_ids(AutoTokenizer.from_pretrained(tiny_thinker)) == (384, 385)
+    # The tiny tokenizer spells the tags in several tokens: no gate, the constraint starts at once.
+    assert structured_requests.reasoning_token_ids(AutoTokenizer.from_pretrained(tiny_qwen3)) is None
+    constraint = structured_requests.StructuredOutputsParams(json_object=True)
+    assert structured_requests.constrain_after_reasoning(constraint, None, "<think>\n") is constraint
+    gated = structured_requests.constrain_after_reasoning(constraint, (384, 385), "assistant\n<think>\n")
+    assert gated.reasoning == structured_requests.ReasoningSpan(384, 385, opened=True)
+    closed = "assistant\n<think>\n\n</think>\n\n"
+    assert structured_requests.constrain_after_reasoning(constraint, (384, 385), closed) is constraint
