@@ -434,6 +434,22 @@ def test_with_a_reasoning_parser_the_constraint_applies_after_the_reasoning(thin
     _no_leak(running)
 
 
+def test_a_named_tool_call_comes_after_the_reasoning(thinking_client):
+    client, running = thinking_client
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        choice = client.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, tool_choice=named, max_tokens=200, seed=seed,
+            temperature=1.0, logit_bias={THINK: 30, END_THINK: 40}, logprobs=True,
+        ).choices[0]  # fmt: skip
+        assert [t.token for t in choice.logprobs.content[:2]] == ["<think>", "</think>"]
+        assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        _check_weather_arguments(call.function.arguments)
+    _no_leak(running)
+
+
 def test_the_gate_needs_think_tags_that_are_single_tokens(tiny_qwen3, tiny_thinker):
     from transformers import AutoTokenizer
 
