@@ -797,7 +797,7 @@ def _walk(compiler, params, vocab_size: int, seeds: int, steps: int) -> tuple[st
     slowest = 0.0
     for seed in range(seeds):
         try:
-            grammar = compiler.compile(params)
+            grammar = compiler.compile(params, validate=True)
         except ValueError as e:
             return str(e), slowest
         rng = random.Random(seed)
@@ -849,7 +849,7 @@ def measure_fuel(tokenizer, vocab_size: int) -> dict:
         params = _fuel_params(fields)
         start = time.perf_counter()
         try:
-            compiler.compile(params)
+            compiler.compile(params, validate=True)
         except ValueError as e:
             costly[name] = {
                 "rejected_ms": round((time.perf_counter() - start) * 1e3, 1),

@@ -153,8 +153,9 @@ class StructuredOutputManager:
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """ValueError naming the field when the constraint is invalid (compiled here, in this process,
-        whichever process the requests' matchers live in)."""
-        self.compiler.compile(params)
+        whichever process the requests' matchers live in; its first mask too, see
+        ``GrammarCompiler.compile``)."""
+        self.compiler.compile(params, validate=True)
 
     def compile(self, params: StructuredOutputsParams) -> Grammar | RemoteGrammar:
         """A fresh matcher (in a grammar process: its handle); ValueError naming the field when the

@@ -42,6 +42,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -65,9 +66,9 @@ BITS_PER_WORD = 32
 # ``benchmarks/structured_backends.py --fuel`` needs at Qwen3's vocabulary (20k initial for an IPv4
 # regex, 10k per step for JSON schemas), and bound the costliest masks measured there (nested counted
 # repeats) to 30-45 ms on the CPU box, where the library's default initial fuel (1M) let one mask take
-# 0.5-0.7 s, holding up the whole step. A constraint whose first mask exceeds a limit is rejected when
-# it is compiled (``GrammarCompiler.compile``); one that exceeds a limit at a later step ends its request
-# (``Grammar.error``).
+# 0.5-0.7 s, holding up the whole step. A constraint whose first mask exceeds a limit is refused when its
+# request is validated (``GrammarCompiler.compile(validate=True)``); one that exceeds a limit at a later
+# step ends its request (``Grammar.error``).
 PARSER_LIMITS = dict(
     initial_lexer_fuel=100_000,
     step_lexer_fuel=50_000,
@@ -342,20 +343,25 @@ class GrammarCompiler:
         self._xgrammar: XGrammarCompiler | None = None
         self._xgrammar_lock = threading.Lock()
         # The frontend's validation and the engine's compilation may share one compiler (one process).
-        self._compiled: OrderedDict[tuple, str | Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple, _Compiled] = OrderedDict()
         self._compiled_lock = threading.Lock()
 
-    def compile(self, params: StructuredOutputsParams) -> Grammar:
+    def compile(self, params: StructuredOutputsParams, validate: bool = False) -> Grammar:
         """A fresh matcher for one request. Raises ValueError naming the field when the schema, regex
         or grammar is invalid, uses something llguidance does not implement, or exceeds the limits.
+
+        ``validate`` (the frontend's check of a request): also compute the matcher's first mask, so that
+        a constraint whose lexer is too costly to build is refused here instead of failing its request
+        at its first step, after that fill held up the step's batch. The engine's compile leaves that
+        mask to its first fill, which overlaps the device's forward pass.
 
         What a valid constraint compiles to is kept (the last ``COMPILED_KEPT``): requests of a
         pipeline or a served tool repeat their schema, and its validation and conversion (1-2 ms for
         a nested schema) would otherwise be paid by every request, in the engine's add_request."""
         key = (params.kind, _constraint_text(params), params.disable_any_whitespace)
         with self._compiled_lock:
-            compiled = self._compiled.get(key)
-            if compiled is not None:
+            kept = self._compiled.get(key)
+            if kept is not None:
                 self._compiled.move_to_end(key)
         span = params.reasoning
         if span is not None and not all(
@@ -365,37 +371,26 @@ class GrammarCompiler:
                 f"structured_outputs.reasoning's token ids must be in [0, {self.vocab_size}), got "
                 f"{span.start_token_id} and {span.end_token_id}"
             )
-        if compiled is not None:
-            grammar = self._matcher(params, compiled)
-        else:
-            compiled = self._compile(params)
-            # An invalid constraint raises here, and is not kept.
-            grammar = self._matcher(params, compiled, probe=True)
-            with self._compiled_lock:
-                self._compiled[key] = compiled
-                while len(self._compiled) > COMPILED_KEPT:
-                    self._compiled.popitem(last=False)
+        if kept is None:
+            kept = _Compiled(self._compile(params))
+        # An invalid constraint raises here or in its first mask, and is not kept.
+        grammar = self._matcher(params, kept.compiled)
+        if validate and not kept.validated:
+            _compute_first_mask(params, grammar)
+            kept.validated = True
+        with self._compiled_lock:
+            self._compiled[key] = kept
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
         return grammar if span is None else ReasoningGate(grammar, span)
 
-    def _matcher(self, params: StructuredOutputsParams, compiled: str | Any, probe: bool = False) -> Grammar:
-        """A matcher of ``compiled``. ``probe``: compute its first mask now (llguidance), so that a
-        constraint whose lexer is too costly to build is rejected here, naming its field, instead of
-        failing its request at its first step after holding up that step's batch (the matcher keeps the
-        state it built, so the engine's first fill of it does not pay again)."""
+    def _matcher(self, params: StructuredOutputsParams, compiled: str | Any) -> Grammar:
         if not isinstance(compiled, str):
             return self._xgrammar.matcher(compiled)
         matcher = llguidance.LLMatcher(self._tokenizer, compiled, log_level=0, limits=self._limits)
         if matcher.is_error():
             message = _first_lines(matcher.get_error())
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {message}")
-        if probe:
-            matcher.compute_bitmask()
-            if matcher.is_error():
-                message = _first_lines(matcher.get_error())
-                raise ValueError(
-                    f"structured_outputs.{params.kind} is too complex to match (a limit of the grammar "
-                    f"library was hit building its first token mask): {message}"
-                )
         return LLGuidanceGrammar(matcher, self.vocab_size, self.eos_token_ids)
 
     def _compile(self, params: StructuredOutputsParams) -> str | Any:
@@ -526,6 +521,28 @@ class GrammarCompiler:
         )
         for grammar, row in ours:
             grammar._after_fill(bitmask, row)
+
+
+@dataclass
+class _Compiled:
+    """What a constraint compiled to (llguidance's grammar text, or xgrammar's compiled grammar), and
+    whether a matcher of it has computed its first mask (``GrammarCompiler.compile(validate=True)``)."""
+
+    compiled: str | Any
+    validated: bool = False
+
+
+def _compute_first_mask(params: StructuredOutputsParams, grammar: Grammar) -> None:
+    """ValueError naming the field when llguidance hits a limit building the matcher's first mask (the
+    lexer's initial state, its costliest); xgrammar computes its masks when it compiles."""
+    if isinstance(grammar, LLGuidanceGrammar):
+        grammar._matcher.compute_bitmask()
+        if grammar._matcher.is_error():
+            message = _first_lines(grammar._matcher.get_error())
+            raise ValueError(
+                f"structured_outputs.{params.kind} is too complex to match (a limit of the grammar "
+                f"library was hit building its first token mask): {message}"
+            )
 
 
 def json_string(text: str) -> str:

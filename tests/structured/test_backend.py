@@ -374,7 +374,7 @@ def test_pathological_input_never_stalls(request, case):
     (kind,) = PATHOLOGICAL[case]
     start = time.perf_counter()
     try:
-        grammar = compiler.compile(StructuredOutputsParams(**PATHOLOGICAL[case]))
+        grammar = compiler.compile(StructuredOutputsParams(**PATHOLOGICAL[case]), validate=True)
     except ValueError as e:
         assert str(e).startswith(f"structured_outputs.{kind} ")
         assert time.perf_counter() - start < 0.3, f"rejected, but slowly: {e}"
@@ -432,16 +432,24 @@ def test_a_limit_hit_while_masking_ends_the_request(tiny, monkeypatch):
     ],
     ids=["regex", "grammar"],
 )
-def test_a_constraint_over_the_limits_at_its_first_mask_is_rejected_when_compiled(tiny, monkeypatch, params):
-    """Its first mask is computed by the compile, so the request is refused up front, naming the field,
-    rather than failing in the engine after its first fill held up a step; nothing is kept of it."""
+def test_a_constraint_over_the_limits_at_its_first_mask_is_refused_by_validation(tiny, monkeypatch, params):
+    """Validating a request computes the first mask, so the request is refused up front, naming the
+    field; the engine's compile leaves that mask to the first fill, where the limit ends the request."""
     tokenizer, _ = tiny
     monkeypatch.setattr(backend, "PARSER_LIMITS", dict(backend.PARSER_LIMITS, step_lexer_fuel=20))
     compiler = GrammarCompiler(tokenizer, TINY_VOCAB)
     for _ in range(2):
         with pytest.raises(ValueError, match=f"structured_outputs.{params.kind} is too complex to match"):
-            compiler.compile(params)
+            compiler.compile(params, validate=True)
     assert not compiler._compiled
+    grammar = compiler.compile(params)
+    bitmask = allocate_token_bitmask(1, TINY_VOCAB)
+    grammar.fill_bitmask(bitmask, 0)
+    assert grammar.error is not None
+    assert unpack_bitmask(bitmask, TINY_VOCAB)[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    # Kept by that compile, and still refused by validation.
+    with pytest.raises(ValueError, match="too complex to match"):
+        compiler.compile(params, validate=True)
 
 
 def test_allocate_token_bitmask():
