@@ -187,10 +187,13 @@ def _logprobs_close(x, y) -> bool:
 def structured_checks() -> bool:
     """Structured outputs on the GPU (the Triton bitmask kernel, sampling deferred behind the forward
     pass under async scheduling): every constrained output is valid, and the unconstrained rows of the
-    same batch are token-identical to a run without the constrained ones."""
+    same batch are token-identical to a run without the constrained ones. Constraints after a
+    reasoning span (its rows unconstrained until the span's end token, which a logit bias brings
+    about) give valid answers after that token."""
     import re
 
     from nanoinfer import StructuredOutputsParams
+    from nanoinfer.structured import ReasoningSpan
 
     path = _check_model("gpu-check-structured-")
     schema = {
@@ -215,7 +218,16 @@ def structured_checks() -> bool:
             **({"json": schema} if i % 2 else {"regex": regex})))
         for i in range(16)
     ]  # fmt: skip
-    outputs = llm.generate(["hello", "world"] + ["data"] * 16, plain + constrained, use_tqdm=False)
+    # Two ids of the tiny tokenizer stand for <think> and </think>: the prompt opened the reasoning.
+    span = ReasoningSpan(
+        *(llm.get_tokenizer().encode(t, add_special_tokens=False)[0] for t in "<>"), opened=True
+    )
+    constrained += [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=160, logit_bias={span.end_token_id: 5},
+                       structured_outputs=StructuredOutputsParams(json=schema, reasoning=span))
+        for i in range(16, 20)
+    ]  # fmt: skip
+    outputs = llm.generate(["hello", "world"] + ["data"] * 20, plain + constrained, use_tqdm=False)
     # Batch shapes differ between the runs, so bf16 logits may differ in rounding: the closeness rule.
     untouched = all(
         _logprobs_close(a.outputs[0], b.outputs[0]) for a, b in zip(alone, outputs[:2], strict=True)
@@ -223,8 +235,16 @@ def structured_checks() -> bool:
     invalid = []
     for i, output in enumerate(outputs[2:]):
         text = output.outputs[0].text
+        if i >= 16:  # the answer after the reasoning span
+            ids = output.outputs[0].token_ids
+            end = ids.index(span.end_token_id) + 1 if span.end_token_id in ids else len(ids)
+            text = llm.get_tokenizer().decode(ids[end:], skip_special_tokens=True)
         try:
-            valid = bool(re.fullmatch(regex, text)) if i % 2 == 0 else isinstance(json.loads(text), dict)
+            valid = (
+                bool(re.fullmatch(regex, text))
+                if i % 2 == 0 and i < 16
+                else isinstance(json.loads(text), dict)
+            )
         except ValueError:
             valid = False
         if not valid or output.outputs[0].finish_reason != "stop":
