@@ -16,9 +16,9 @@ One pipe per process, used by the engine's thread alone, carries pickled tuples:
   the error's message (which the engine raises as ValueError).
 - ``("step", released, keys, token_ids, eos_blocked, start, fills)``: feed grammar ``keys[i]`` its
   token (see ``structured_outputs.feed_grammar``), reply with the results that are not a plain
-  acceptance, as {i: (error, blocks_eos)} (pickling one object per row would cost the engine's thread
-  more than the feeding); then, when ``fills`` (keys) is not empty, fill bitmask row ``start + i`` for
-  grammar ``fills[i]`` and reply with the fill's seconds.
+  acceptance, as {i: (error, blocks_eos, invalid_input)} (pickling one object per row would cost the
+  engine's thread more than the feeding); then, when ``fills`` (keys) is not empty, fill bitmask row
+  ``start + i`` for grammar ``fills[i]`` and reply with the fill's seconds.
 
 ``released``: the keys of the process's grammars whose requests are gone (their handles were
 collected). If a process dies, the requests whose grammars it held fail with an error, and the next
@@ -253,8 +253,8 @@ class _GrammarProcess:
         except GrammarProcessExited as e:
             return {feed.row: GrammarResult(str(e)) for feed in feeds}
         results = {feed.row: ACCEPTED for feed in feeds}
-        for i, (error, blocks_eos) in unusual.items():
-            results[feeds[i].row] = GrammarResult(error, blocks_eos)
+        for i, (error, blocks_eos, invalid_input) in unusual.items():
+            results[feeds[i].row] = GrammarResult(error, blocks_eos, invalid_input)
         return results
 
     def receive_fill(self) -> float:
@@ -341,7 +341,7 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
                 grammar = grammars.get(key)
                 result = lost if grammar is None else feed_grammar(grammar, token_ids[i], eos_blocked[i])
                 if result is not ACCEPTED:
-                    unusual[i] = (result.error, result.blocks_eos)
+                    unusual[i] = (result.error, result.blocks_eos, result.invalid_input)
             conn.send(unusual)
             if fills:
                 started = time.perf_counter()

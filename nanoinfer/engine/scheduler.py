@@ -104,6 +104,9 @@ class EngineCoreOutput:
     prompt_logprobs_start: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # The error is the request's input's: its structured-outputs constraint could not be matched (a
+    # limit of the grammar library). The server answers 400 rather than 500.
+    invalid_input: bool = False
 
 
 @dataclass
@@ -366,7 +369,7 @@ class Scheduler:
         if request.grammar is not None and grammar_result is None:
             raise RuntimeError("a constrained row's token was not fed to its grammar")
         if grammar_result is not None and grammar_result.error is not None:
-            return self._fail(request, grammar_result.error)
+            return self._fail(request, grammar_result.error, grammar_result.invalid_input)
         request.append_token(token_id)
         if output is None:
             output = EngineCoreOutput(request.request_id, [token_id])
@@ -404,10 +407,12 @@ class Scheduler:
             return "length"
         return None
 
-    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+    def _fail(self, request: Request, error: str, invalid_input: bool = False) -> EngineCoreOutput:
         logger.error("request %s failed: %s", request.request_id, error)
         self._finish(request, "error")
-        return EngineCoreOutput(request.request_id, [], finish_reason="error", error=error)
+        return EngineCoreOutput(
+            request.request_id, [], finish_reason="error", error=error, invalid_input=invalid_input
+        )
 
     def stats(self) -> dict[str, int]:
         kv = self.kv

@@ -38,12 +38,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class GrammarResult:
-    """A constrained row's sampled token fed to its grammar: ``error`` says why it was not accepted;
-    ``blocks_eos``: the grammar now allows only EOS, which the request cannot sample (see
-    ``GrammarFeed.eos_blocked``)."""
+    """A constrained row's sampled token fed to its grammar: ``error`` says why it was not accepted
+    (``invalid_input``: the constraint itself could not be matched, a limit of the grammar library:
+    the request's fault, not the engine's); ``blocks_eos``: the grammar now allows only EOS, which the
+    request cannot sample (see ``GrammarFeed.eos_blocked``)."""
 
     error: str | None = None
     blocks_eos: bool = False
+    invalid_input: bool = False
 
 
 # The result of nearly every row (shared: nothing changes a result once made).
@@ -66,8 +68,11 @@ def feed_grammar(grammar: Grammar, token_id: int, eos_blocked: bool) -> GrammarR
     """``token_id`` fed to ``grammar``; a failure of the grammar library is that row's error alone."""
     try:
         if not grammar.accept_token(token_id):
-            error = grammar.error or f"sampled token {token_id} is not allowed by structured_outputs"
-            return GrammarResult(error)
+            if grammar.error is not None:
+                return GrammarResult(
+                    f"structured_outputs could not be matched: {grammar.error}", invalid_input=True
+                )
+            return GrammarResult(f"sampled token {token_id} is not allowed by structured_outputs")
         if eos_blocked and grammar.is_terminated():
             return GrammarResult(blocks_eos=True)
         return ACCEPTED

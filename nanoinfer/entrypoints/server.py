@@ -56,7 +56,13 @@ from nanoinfer.entrypoints.structured_requests import (
     reasoning_token_ids,
     request_constraint,
 )
-from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
+from nanoinfer.frontend.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestFailedError,
+    RequestStream,
+)
 from nanoinfer.heap import freeze_startup_heap
 from nanoinfer.metrics import ServingMetrics
 from nanoinfer.outputs import Logprob, PositionLogprobs, RequestOutput
@@ -405,6 +411,12 @@ class OpenAIServer:
         for p in prompts:
             if isinstance(p, str):
                 self._check_prompt_chars(p, "prompt")
+            elif p and not (min(p) >= 0 and max(p) < self.vocab_size):
+                # Here, before echo decodes them (the engine's input processor checks them too).
+                bad = [t for t in p if not 0 <= t < self.vocab_size]
+                raise APIError(
+                    f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param="prompt"
+                )
         # Text is tokenized exactly as LLMEngine.add_request tokenizes it.
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts], None
 
@@ -495,7 +507,10 @@ class OpenAIServer:
             )
             return _EventStreamResponse(events, streams)
         try:
-            finals = await _unless_disconnected(raw_request, _collect_final_outputs(streams))
+            constraint_field = _constraint_field(request) if constraint is not None else None
+            finals = await _unless_disconnected(
+                raw_request, _collect_final_outputs(streams, constraint_field)
+            )
         finally:
             # Also covers cancellation before the collecting coroutine ever ran.
             for stream in streams:
@@ -698,6 +713,8 @@ class _Reply:
                         yield self._chunk(choices, usage)
             if include_usage:
                 yield self._chunk([], self._usage(sum(num_generated.values())))
+        except InvalidRequestError as e:
+            yield protocol.sse_event(protocol.error_body(str(e), "invalid_request_error"))
         except (EngineDeadError, RequestFailedError, ValueError) as e:
             yield protocol.sse_event(protocol.error_body(str(e), "server_error"))
         yield protocol.SSE_DONE
@@ -764,7 +781,11 @@ async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[in
             stream.abort()
 
 
-async def _collect_final_outputs(streams: list[RequestStream]) -> dict[int, RequestOutput]:
+async def _collect_final_outputs(
+    streams: list[RequestStream], constraint_field: str | None = None
+) -> dict[int, RequestOutput]:
+    """The streams' final outputs; a request that failed for its input (its constraint could not be
+    matched) is a 400 naming ``constraint_field``, one that failed otherwise a 500."""
     finals = {}
     try:
         async with contextlib.aclosing(_merge_streams(streams)) as outputs:
@@ -773,6 +794,8 @@ async def _collect_final_outputs(streams: list[RequestStream]) -> dict[int, Requ
                     finals[index] = output
     except EngineDeadError as e:
         raise APIError(str(e), status_code=503) from e
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=constraint_field) from e
     except RequestFailedError as e:
         raise APIError(str(e), status_code=500) from e
     return finals

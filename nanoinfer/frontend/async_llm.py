@@ -63,6 +63,10 @@ class RequestFailedError(RuntimeError):
     """One request failed inside the engine (its own fault); the engine goes on serving the others."""
 
 
+class InvalidRequestError(RequestFailedError):
+    """One request failed inside the engine because of its input (``RequestOutput.invalid_input``)."""
+
+
 class _Aborted:
     """Marks the end of an aborted request's stream."""
 
@@ -170,7 +174,8 @@ class RequestStream:
                 return self._aborted_output(outputs)
             if item.error is not None:
                 self.finished = True
-                raise RequestFailedError(f"request {self.request_id} failed: {item.error}")
+                error = InvalidRequestError if item.invalid_input else RequestFailedError
+                raise error(f"request {self.request_id} failed: {item.error}")
             outputs.append(item)
         output = merge_delta_outputs(outputs) if self._kind == RequestOutputKind.DELTA else outputs[-1]
         self.finished = output.finished

@@ -110,6 +110,7 @@ class _RequestState:
             [None] if params.prompt_logprobs is not None else None
         )
         self.error: str | None = None
+        self.invalid_input = False
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
 
     def output(self, kind: RequestOutputKind, advanced: set[int]) -> RequestOutput:
@@ -126,6 +127,7 @@ class _RequestState:
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
             error=self.error,
+            invalid_input=self.invalid_input,
             metrics=self.metrics,
         )
 
@@ -200,7 +202,7 @@ class OutputProcessor:
                     completion.detokenizer.defer_tokens(new_token_ids)
                 continue
             if output.error is not None:
-                ended += self._fail(state, output.error)
+                ended += self._fail(state, output.error, output.invalid_input)
                 advanced.setdefault(state.request_id, set()).update(c.index for c in state.completions)
                 continue
             if output.prompt_logprobs is not None:
@@ -248,9 +250,10 @@ class OutputProcessor:
             metrics.first_token_time = now
         metrics.last_token_time = now
 
-    def _fail(self, state: _RequestState, error: str) -> list[str]:
+    def _fail(self, state: _RequestState, error: str, invalid_input: bool = False) -> list[str]:
         """A completion failed in the core: the whole request fails; returns its other live completions."""
         state.error = error
+        state.invalid_input = invalid_input
         others = []
         for completion in state.completions:
             if completion.finish_reason is None:

@@ -292,6 +292,20 @@ def test_bad_constraints_are_rejected_naming_the_field_and_the_engine_keeps_serv
     assert llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0].text in CHOICES
 
 
+def test_a_constraint_that_cannot_be_matched_midway_fails_its_request_alone_for_its_input(llm):
+    # Its first mask fits the grammar library's limits on this vocabulary (it passes validation); its
+    # second token's lexer state does not.
+    bad = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(regex="((a{100}){100}){100}")
+    )
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    failed, other = llm.generate(["hi", "hi"], [bad, plain], use_tqdm=False)
+    assert failed.invalid_input and failed.outputs[0].finish_reason == "error"
+    assert failed.error.startswith("structured_outputs could not be matched: lexer error")
+    assert other.error is None and len(other.outputs[0].token_ids) == 8
+    _no_leak(llm)
+
+
 def test_structured_outputs_must_be_its_params_type():
     with pytest.raises(ValueError, match="structured_outputs must be None or a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": SCHEMA})

@@ -229,6 +229,14 @@ def test_bad_stop_token_ids_name_their_field(server):
     )
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_prompt_token_ids_out_of_range_name_the_prompt(server, echo):
+    # With echo they used to reach the tokenizer's decode first: a 500 (found by fuzzing the server).
+    for ids in ([-1], [10**6], [[1, 2], [3, -5]]):
+        body = {**OK, "prompt": ids, "echo": echo}
+        _assert_openai_error(server.post("/v1/completions", body), 400, "prompt")
+
+
 def test_only_json_bodies_and_allowed_hosts(server):
     plain = {**server.headers(), b"content-type": b"text/plain"}
     response = server.post("/v1/completions", OK, headers=plain)

@@ -334,6 +334,24 @@ def test_bad_constraints_are_400s_and_the_server_keeps_serving(running, fields, 
     _no_leak(running)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_constraint_that_cannot_be_matched_midway_is_a_400(running, stream):
+    """Valid when validated (its first mask fits the grammar library's limits on this vocabulary), this
+    regex exceeds them at its second token: the request fails alone, for its input."""
+    body = {"model": MODEL, "messages": USER, "max_tokens": 8, "guided_regex": "((a{100}){100}){100}"}
+    response = httpx.post(running.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=30)
+    if stream:
+        assert response.status_code == 200
+        error = json.loads(response.text.split("data: ")[-2])["error"]
+        assert error["type"] == "invalid_request_error"
+    else:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "guided_regex"
+    assert "structured_outputs could not be matched: lexer error" in error["message"]
+    _no_leak(running)
+
+
 def test_auto_tool_choice_needs_the_server_flag():
     class Request:
         tools = TOOLS
