@@ -84,6 +84,7 @@ class Request:
         "output_token_array",
         "distinct_prompt_ids",
         "min_tokens_banned_ids",
+        "allowed_token_set",
         "grammar",
     )
 
@@ -114,6 +115,8 @@ class Request:
         self.distinct_prompt_ids = np.unique(self.token_ids) if params.repetition_penalty != 1.0 else None
         banned = self.eos_token_ids | self.stop_token_ids
         self.min_tokens_banned_ids = sorted(banned) if params.min_tokens else []
+        allowed = params.allowed_token_ids
+        self.allowed_token_set = frozenset(allowed) if allowed is not None else None
         # The matcher of a structured-outputs request, advanced by every token it accepts.
         self.grammar = grammar
 

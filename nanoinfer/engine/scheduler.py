@@ -119,6 +119,12 @@ class RunnerOutput:
     failed_rows: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
 
 
+NO_TOKEN_ALLOWED = (
+    "no token is allowed at this step: the request's allowed_token_ids, bad_words, min_tokens and "
+    "structured_outputs together exclude every token"
+)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -368,7 +374,14 @@ class Scheduler:
         token_id = result.token_ids[row_index]
         if request.grammar is not None and grammar_result is None:
             raise RuntimeError("a constrained row's token was not fed to its grammar")
+        # Where a request's restrictions together exclude every token, the sampler takes one all the
+        # same (the argmax of a row of -inf): a token its allowed_token_ids or its grammar refuses.
+        params = request.params
+        if request.allowed_token_set is not None and token_id not in request.allowed_token_set:
+            return self._fail(request, NO_TOKEN_ALLOWED, invalid_input=True)
         if grammar_result is not None and grammar_result.error is not None:
+            if not grammar_result.invalid_input and params.bad_words:
+                return self._fail(request, NO_TOKEN_ALLOWED, invalid_input=True)
             return self._fail(request, grammar_result.error, grammar_result.invalid_input)
         request.append_token(token_id)
         if output is None:

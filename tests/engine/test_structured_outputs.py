@@ -306,6 +306,18 @@ def test_a_constraint_that_cannot_be_matched_midway_fails_its_request_alone_for_
     _no_leak(llm)
 
 
+def test_a_constraint_and_allowed_token_ids_that_leave_no_token_fail_the_request_for_its_input(llm):
+    digits = StructuredOutputsParams(regex="[0-9]+")
+    letters = [t for t in range(3, 300) if llm.get_tokenizer().decode([t]).isalpha()]
+    nothing = SamplingParams(max_tokens=8, allowed_token_ids=letters, structured_outputs=digits)
+    failed, ok = llm.generate(
+        ["hi", "hi"], [nothing, SamplingParams(max_tokens=8, structured_outputs=digits)]
+    )
+    assert failed.invalid_input and failed.error.startswith("no token is allowed at this step")
+    assert ok.error is None and ok.outputs[0].text.isdigit()
+    _no_leak(llm)
+
+
 def test_structured_outputs_must_be_its_params_type():
     with pytest.raises(ValueError, match="structured_outputs must be None or a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": SCHEMA})

@@ -289,6 +289,22 @@ def test_logit_bias_and_allowed_token_ids_end_to_end(llm):
     assert together[0] == alone[0] and together[2] == alone[1]
 
 
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_restrictions_that_exclude_every_token_fail_the_request_for_its_input(llm, greedy):
+    # Before min_tokens, EOS (the one allowed token) is banned: nothing is left. Such a row's logits are
+    # all -inf and the sampler still takes a token (id 0), which used to come out as the output.
+    eos = llm.get_tokenizer().eos_token_id
+    nothing = SamplingParams(
+        temperature=0.0 if greedy else 1.0, max_tokens=8, min_tokens=2, allowed_token_ids=[eos]
+    )
+    failed, other = llm.generate([PROMPT, PROMPT], [nothing, GREEDY], use_tqdm=False)
+    assert failed.invalid_input and failed.error.startswith("no token is allowed at this step")
+    assert failed.outputs[0].token_ids == [] and failed.outputs[0].finish_reason == "error"
+    assert other.error is None and other.outputs[0].token_ids == _tokens(llm, [PROMPT], GREEDY)[0]
+    stats = llm.llm_engine.stats()
+    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+
+
 def test_token_ids_outside_the_vocabulary_are_rejected_at_add(llm):
     vocab = llm.llm_engine.config.hf_config.vocab_size
     with pytest.raises(ValueError, match=f"logit_bias token ids must be in \\[0, {vocab}\\)"):
