@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import pytest
 
-from tests.entrypoints.test_server import serve_in_thread
+from tests.entrypoints.test_server import serve_in_thread, wait_all_free
 
 TOOL = {
     "type": "function",
@@ -127,11 +126,4 @@ def running(tiny_qwen3):
 def test_random_requests_get_200s_or_4xxs_and_leak_nothing(running, seed):
     failures = asyncio.run(_fuzz(running.url, seed, 160))
     assert not failures, failures[:3]
-    deadline = time.monotonic() + 10
-    while True:
-        stats = running.llm.stats(timeout=10)
-        if stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
-    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert wait_all_free(running.llm, timeout=10)
