@@ -60,6 +60,7 @@ class RequestOutput:
     # Why the request failed (its completions then have finish_reason "error"); None if it did not.
     # A failure is the request's own: the engine goes on with the others.
     error: str | None = None
-    # The failure is the request's input's (its constraint could not be matched), not the engine's.
+    # The failure is the request's input's (its constraint hit a grammar limit, or its restrictions
+    # excluded every token), not the engine's.
     invalid_input: bool = False
     metrics: RequestMetrics | None = None

@@ -104,8 +104,8 @@ class EngineCoreOutput:
     prompt_logprobs_start: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
-    # The error is the request's input's: its structured-outputs constraint could not be matched (a
-    # limit of the grammar library). The server answers 400 rather than 500.
+    # The error is the request's input's: its constraint hit a limit of the grammar library, or its
+    # restrictions excluded every token. The server answers 400 rather than 500.
     invalid_input: bool = False
 
 
@@ -376,11 +376,10 @@ class Scheduler:
             raise RuntimeError("a constrained row's token was not fed to its grammar")
         # Where a request's restrictions together exclude every token, the sampler takes one all the
         # same (the argmax of a row of -inf): a token its allowed_token_ids or its grammar refuses.
-        params = request.params
         if request.allowed_token_set is not None and token_id not in request.allowed_token_set:
             return self._fail(request, NO_TOKEN_ALLOWED, invalid_input=True)
         if grammar_result is not None and grammar_result.error is not None:
-            if not grammar_result.invalid_input and params.bad_words:
+            if not grammar_result.invalid_input and request.params.bad_words:
                 return self._fail(request, NO_TOKEN_ALLOWED, invalid_input=True)
             return self._fail(request, grammar_result.error, grammar_result.invalid_input)
         request.append_token(token_id)

@@ -784,8 +784,8 @@ async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[in
 async def _collect_final_outputs(
     streams: list[RequestStream], constraint_field: str | None = None
 ) -> dict[int, RequestOutput]:
-    """The streams' final outputs; a request that failed for its input (its constraint could not be
-    matched) is a 400 naming ``constraint_field``, one that failed otherwise a 500."""
+    """The streams' final outputs; a request that failed for its input (``InvalidRequestError``) is a
+    400 naming ``constraint_field``, one that failed otherwise a 500."""
     finals = {}
     try:
         async with contextlib.aclosing(_merge_streams(streams)) as outputs:
