@@ -60,13 +60,39 @@ def _our_segments(pid: int | None = None) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
 
+# pytest's capture manager, for _hang_guard's last words (set for every test of this module).
+_capture_manager = None
+
+
+@pytest.fixture(autouse=True)
+def _keep_capture_manager(request):
+    global _capture_manager
+    _capture_manager = request.config.pluginmanager.getplugin("capturemanager")
+
+
+def _dump_threads_and_exit(seconds: float) -> None:
+    # With pytest's capture suspended: otherwise the tracebacks go to its capture file, which is lost
+    # when the process exits.
+    with _capture_manager.global_and_fixture_disabled():
+        print(f"\n_hang_guard: still running after {seconds} s; every thread's traceback:", file=sys.stderr)
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+    os._exit(1)
+
+
 @contextmanager
 def _hang_guard(seconds: float):
-    """A hang fails the run loudly (tracebacks of every thread, then exit) instead of blocking CI."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
+    """A hang fails the run loudly (tracebacks of every thread on the terminal, then exit) instead of
+    blocking CI. faulthandler's own timer, which needs no GIL, is the backstop should a thread hold it
+    (its tracebacks then go to pytest's capture file)."""
+    timer = threading.Timer(seconds, _dump_threads_and_exit, args=(seconds,))
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(seconds + 30, exit=True)
     try:
         yield
     finally:
+        timer.cancel()
         faulthandler.cancel_dump_traceback_later()
 
 
