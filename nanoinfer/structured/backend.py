@@ -358,11 +358,6 @@ class GrammarCompiler:
         What a valid constraint compiles to is kept (the last ``COMPILED_KEPT``): requests of a
         pipeline or a served tool repeat their schema, and its validation and conversion (1-2 ms for
         a nested schema) would otherwise be paid by every request, in the engine's add_request."""
-        key = (params.kind, _constraint_text(params), params.disable_any_whitespace)
-        with self._compiled_lock:
-            kept = self._compiled.get(key)
-            if kept is not None:
-                self._compiled.move_to_end(key)
         span = params.reasoning
         if span is not None and not all(
             0 <= t < self.vocab_size for t in (span.start_token_id, span.end_token_id)
@@ -371,9 +366,14 @@ class GrammarCompiler:
                 f"structured_outputs.reasoning's token ids must be in [0, {self.vocab_size}), got "
                 f"{span.start_token_id} and {span.end_token_id}"
             )
+        key = (params.kind, _constraint_text(params), params.disable_any_whitespace)
+        with self._compiled_lock:
+            kept = self._compiled.get(key)
+            if kept is not None:
+                self._compiled.move_to_end(key)
         if kept is None:
             kept = _Compiled(self._compile(params))
-        # An invalid constraint raises here or in its first mask, and is not kept.
+        # An invalid constraint raises here, or (validating) in its first mask, before it is kept.
         grammar = self._matcher(params, kept.compiled)
         if validate and not kept.validated:
             _compute_first_mask(params, grammar)
