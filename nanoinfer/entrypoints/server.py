@@ -63,6 +63,7 @@ from nanoinfer.frontend.async_llm import (
     RequestFailedError,
     RequestStream,
 )
+from nanoinfer.frontend.input_processor import check_prompt_token_ids
 from nanoinfer.heap import freeze_startup_heap
 from nanoinfer.metrics import ServingMetrics
 from nanoinfer.outputs import Logprob, PositionLogprobs, RequestOutput
@@ -411,12 +412,12 @@ class OpenAIServer:
         for p in prompts:
             if isinstance(p, str):
                 self._check_prompt_chars(p, "prompt")
-            elif p and not (min(p) >= 0 and max(p) < self.vocab_size):
-                # Here, before echo decodes them (the engine's input processor checks them too).
-                bad = [t for t in p if not 0 <= t < self.vocab_size]
-                raise APIError(
-                    f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param="prompt"
-                )
+            else:
+                # Here, before echo decodes them (the input processor checks them again).
+                try:
+                    check_prompt_token_ids(p, self.vocab_size)
+                except ValueError as e:
+                    raise APIError(str(e), param="prompt") from None
         # Text is tokenized exactly as LLMEngine.add_request tokenizes it.
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts], None
 

@@ -115,6 +115,19 @@ class ProcessedRequest:
     arrival_time: float
 
 
+def check_prompt_token_ids(ids: Any, vocab_size: int) -> list[int]:
+    """``ids`` as a list, or ValueError unless they are integers in [0, vocab_size)."""
+    # The common case (plain ints) is checked by C loops: this runs for every token of every prompt.
+    if not isinstance(ids, list | tuple) or (
+        set(map(type, ids)) - {int} and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
+        raise ValueError("prompt_token_ids must be a list of integers")
+    if ids and not (min(ids) >= 0 and max(ids) < vocab_size):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
+    return list(ids)
+
+
 class InputProcessor:
     def __init__(
         self,
@@ -149,16 +162,7 @@ class InputProcessor:
         raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _check_token_ids(self, ids: Any) -> list[int]:
-        # The common case (plain ints) is checked by C loops: this runs for every token of every prompt.
-        if not isinstance(ids, list | tuple) or (
-            set(map(type, ids)) - {int}
-            and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-        ):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
-        return list(ids)
+        return check_prompt_token_ids(ids, self.vocab_size)
 
     def process(
         self,
