@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long a step waits for a compile when every unfinished request waits for its constraint: it returns
+# as soon as one is done; the bound is how soon the caller sees its new commands (aborts, requests).
+IDLE_COMPILE_WAIT_S = 0.005
+
 
 @dataclass
 class EngineCoreOutputs:
@@ -72,6 +76,7 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # The bitmask of the in-flight step's constrained rows, filling in the grammar processes.
         self._pending_bitmask: tuple[SchedulerOutput, PendingBitmask] | None = None
+        self._compiling: dict[int, str] = {}  # the request of each constraint compiling, by compile key
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         logger.info(
@@ -86,14 +91,26 @@ class EngineCore:
 
     def add_request(self, request: EngineRequest) -> None:
         """Queues a request the frontend's input processor validated (its KV need fits the pool); raises
-        ValueError if its id is in use or its structured-outputs constraint does not compile."""
+        ValueError if its id is in use. A structured-outputs constraint compiles while the request waits
+        and the others run; one that does not compile fails its request with an output."""
         constraint = request.params.structured_outputs
-        grammar = self.structured_outputs.compile(constraint) if constraint is not None else None
-        self.scheduler.add_request(request, grammar)
+        self.scheduler.add_request(request, waits_for_grammar=constraint is not None)
+        if constraint is not None:
+            try:
+                key = self.structured_outputs.start_compile(constraint)
+            except BaseException:
+                self.scheduler.abort_requests([request.request_id])
+                raise
+            self._compiling[key] = request.request_id
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drops requests (aborted, or ended by the frontend: a stop string) and frees their blocks."""
         self.scheduler.abort_requests(request_ids)
+        if self._compiling:
+            # Their compiles' outcomes are dropped when they come (a matcher's handle releases it).
+            gone = set(request_ids)
+            for key in [key for key, request_id in self._compiling.items() if request_id in gone]:
+                del self._compiling[key]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -102,7 +119,37 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Runs one step. Without async scheduling: schedule, run, return its outputs. With it: launch
-        the next step, then return the outputs of the one launched by the previous call."""
+        the next step, then return the outputs of the one launched by the previous call. Requests whose
+        constraints failed to compile end in the outputs too."""
+        failed = self._take_compiled()
+        outputs = self._step()
+        if failed:
+            outputs.outputs[:0] = failed
+        return outputs
+
+    def _take_compiled(self) -> list[EngineCoreOutput]:
+        """Hands the compiled constraints to their requests; the outputs of those that failed. When every
+        unfinished request waits for its constraint, waits a little for one (instead of spinning)."""
+        if not self._compiling:
+            return []
+        idle = self._in_flight is None and self._pending_bitmask is None
+        if idle:
+            compiling = set(self._compiling.values())
+            idle = all(request_id in compiling for request_id in self.scheduler.requests)
+        failed = []
+        for compiled in self.structured_outputs.poll_compiled(IDLE_COMPILE_WAIT_S if idle else 0.0):
+            request_id = self._compiling.pop(compiled.key, None)
+            if request_id is None:
+                continue
+            if compiled.error is None:
+                self.scheduler.set_grammar(request_id, compiled.grammar)
+                continue
+            output = self.scheduler.fail_request(request_id, compiled.error, compiled.invalid_input)
+            if output is not None:
+                failed.append(output)
+        return failed
+
+    def _step(self) -> EngineCoreOutputs:
         out = self.scheduler.schedule()
         prepared = self.executor.prepare(out) if not out.is_empty else None
         constrained = prepared is not None and bool(out.structured_rows)

@@ -10,27 +10,41 @@ the tokens to feed and the rows to fill, and the masks arrive in one shared-memo
 CUDA, so that its copy to the device is asynchronous). With several processes, grammar ``key`` lives in
 process ``key % n``, and the processes feed and fill their grammars at once.
 
-One pipe per process, used by the engine's thread alone, carries pickled tuples:
+Nothing here makes the engine wait for a compile: a process starts (2-4 s: the tokenizer and the grammar
+compiler) while the engine keeps stepping, and compiles on a thread of its own (5-80 ms for a new JSON
+schema at a 150k vocabulary; the grammar libraries release the GIL for most of it), so that the steps it
+serves meanwhile go on. The engine takes what has compiled with :meth:`GrammarProcesses.poll`.
 
-- ``("compile", released, key, params)``: compile ``params`` as grammar ``key``; the reply is None, or
-  the error's message (which the engine raises as ValueError).
+One pipe per process carries pickled messages. The engine's thread alone sends:
+
+- ``("compile", released, key, params)``: compile ``params`` as grammar ``key``; answered, whenever it
+  is done, by ``("compiled", key, error, invalid_input)`` (error None: compiled; ``invalid_input``: the
+  constraint's fault, as the ValueErrors of ``GrammarCompiler.compile``).
 - ``("step", released, keys, token_ids, eos_blocked, start, fills)``: feed grammar ``keys[i]`` its
   token (see ``structured_outputs.feed_grammar``), reply with the results that are not a plain
   acceptance, as {i: (error, blocks_eos, invalid_input)} (pickling one object per row would cost the
   engine's thread more than the feeding); then, when ``fills`` (keys) is not empty, fill bitmask row
   ``start + i`` for grammar ``fills[i]`` and reply with the fill's seconds.
 
-``released``: the keys of the process's grammars whose requests are gone (their handles were
-collected). If a process dies, the requests whose grammars it held fail with an error, and the next
-constrained request starts another in its place.
+The process sends ``("ready", eos_token_ids)`` or ``("failed", message)`` first; compile answers may
+come between a step's replies, which come in order. ``released``: the keys of the process's grammars
+whose requests are gone (their handles were collected). If a process dies, the requests whose grammars
+it held or was compiling fail with an error, and the next constrained request starts another in its
+place.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
+import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_for_connections
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,9 +58,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# How long the engine waits for the process to load the tokenizer and build the grammar compiler (about
-# 2-4 s for a 150k vocabulary, most of it importing torch and transformers).
+# How long a process may take to load the tokenizer and build the grammar compiler (about 2-4 s for a
+# 150k vocabulary, most of it importing torch and transformers) before the engine gives up on it.
 START_TIMEOUT_S = 120.0
+# The process's GIL switch interval: its loop (feeding, filling) waits at most this long for the GIL
+# while the compile thread runs Python (the default, 5 ms, would add up to that to a step's fill).
+SWITCH_INTERVAL_S = 0.0002
 
 
 class RemoteGrammar:
@@ -61,6 +78,17 @@ class RemoteGrammar:
 
     def __del__(self) -> None:
         self._released.append(self.key)
+
+
+@dataclass(slots=True)
+class CompiledGrammar:
+    """A compile's outcome: the matcher (or its handle), or why there is none (``invalid_input``: the
+    constraint's fault, not the engine's)."""
+
+    key: int
+    grammar: Any = None
+    error: str | None = None
+    invalid_input: bool = False
 
 
 class GrammarProcessExited(RuntimeError):
@@ -90,27 +118,37 @@ class GrammarProcesses:
         # processes fill at once, so they share the host's cores instead of each taking most of them.
         self._num_threads = max(1, default_num_threads() // num_processes)
         self.processes = [self._start() for _ in range(num_processes)]
-        try:
-            for process in self.processes:
-                process.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-        self.eos_token_ids = self.processes[0].eos_token_ids
+        # The compiles that processes which have since exited were running, answered as failed.
+        self._orphaned: list[CompiledGrammar] = []
 
     def restart_exited(self) -> None:
-        """Replaces each process that has exited (its grammars are lost: their requests fail)."""
+        """Replaces each process that has exited (its grammars are lost: their requests fail); the new
+        one starts in the background."""
         for i, process in enumerate(self.processes):
             if not process.alive:
                 process.close()
+                self._orphaned.extend(process.take_compiled())
                 self.processes[i] = self._start()
-                self.processes[i].wait_ready()
 
-    def compile(self, key: int, params: StructuredOutputsParams) -> RemoteGrammar:
-        """Grammar ``key`` of ``params``; ValueError with the compiler's message when it is invalid."""
-        process = self.processes[key % len(self.processes)]
-        process.compile(key, params)
-        return RemoteGrammar(key, process.released)
+    def compile(self, key: int, params: StructuredOutputsParams) -> None:
+        """Starts compiling ``params`` as grammar ``key``; :meth:`poll` gives the outcome."""
+        self.processes[key % len(self.processes)].compile(key, params)
+
+    def has_compiling(self) -> bool:
+        return bool(self._orphaned) or any(process.compiling for process in self.processes)
+
+    def poll(self, timeout: float = 0.0) -> list[CompiledGrammar]:
+        """The compiles that are done (waiting up to ``timeout`` seconds for one when none is). Raises
+        RuntimeError when a process could not start (the engine cannot serve constraints)."""
+        done = self._orphaned
+        self._orphaned = []
+        waiting = [p for p in self.processes if p.alive and (p.compiling or not p.ready)]
+        if timeout > 0 and not done and waiting and not any(p.has_compiled for p in waiting):
+            wait_for_connections([p.connection for p in waiting], timeout)
+        for process in self.processes:
+            process.read_available()
+            done.extend(process.take_compiled())
+        return done
 
     def _start(self) -> _GrammarProcess:
         return _GrammarProcess(self._config, self.bitmask, self._num_threads)
@@ -143,7 +181,7 @@ class GrammarProcesses:
             if process_feeds or keys:
                 process.send_step(process_feeds, start, keys)
                 sent.append((process, process_feeds, range(start, start + len(keys))))
-        return GrammarExchange(sent, self.bitmask, self.eos_token_ids)
+        return GrammarExchange(sent, self.bitmask)
 
     def close(self) -> None:
         for process in self.processes:
@@ -156,15 +194,9 @@ class GrammarProcesses:
 class GrammarExchange:
     """One step's replies from the processes it was sent to: the feeds' results first, then the fill."""
 
-    def __init__(
-        self,
-        sent: list[tuple[_GrammarProcess, list[GrammarFeed], range]],
-        bitmask: torch.Tensor,
-        eos_token_ids: tuple[int, ...],
-    ):
+    def __init__(self, sent: list[tuple[_GrammarProcess, list[GrammarFeed], range]], bitmask: torch.Tensor):
         self._sent = sent
         self._bitmask = bitmask
-        self._eos_token_ids = eos_token_ids
 
     def results(self) -> dict[int, GrammarResult]:
         """Each feed's result by row."""
@@ -185,52 +217,69 @@ class GrammarExchange:
                 seconds = max(seconds, process.receive_fill())
             except GrammarProcessExited:
                 for row in rows:
-                    set_only(self._bitmask, row, self._eos_token_ids)
+                    set_only(self._bitmask, row, process.eos_token_ids)
         return seconds
 
 
 class _GrammarProcess:
-    """One grammar process: started here, ready after :meth:`wait_ready`."""
+    """One grammar process, started here; it is ready once its first message has been read."""
 
     def __init__(self, config: EngineConfig, bitmask: torch.Tensor, num_threads: int):
+        from nanoinfer.engine.request import engine_eos_token_ids
+
         context = mp.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
+        self.connection, child_connection = context.Pipe()
         self._process = context.Process(
             target=serve,
-            args=(child_conn, config, bitmask, num_threads),
+            args=(child_connection, config, bitmask, num_threads),
             name="nanoinfer-grammars",
             daemon=True,
         )
         self._process.start()
-        child_conn.close()
+        child_connection.close()
+        self._started = time.monotonic()
         # Keys of this process's grammars whose handles were collected, sent with the next message.
         self.released: list[int] = []
         self.alive = True
-        self.eos_token_ids: tuple[int, ...] = ()
+        self.ready = False
+        # Until the process says (it loads the tokenizer), the model config's EOS ids: the rows of a
+        # process that dies allow EOS alone.
+        self.eos_token_ids: tuple[int, ...] = engine_eos_token_ids(config, None)
+        self.compiling: set[int] = set()  # keys sent to compile and not answered yet
+        self._compiled: list[CompiledGrammar] = []  # answers read, not taken yet
+        self._replies: deque[Any] = deque()  # the steps' replies read, in order
+        self._unsent: list[tuple] = []  # compiles that wait for the process to be ready
 
-    def wait_ready(self) -> None:
-        if not self._conn.poll(START_TIMEOUT_S):
-            self.close()
-            raise RuntimeError(f"the grammar process did not start within {START_TIMEOUT_S:.0f} s")
-        try:
-            status, payload = self._receive()
-        except GrammarProcessExited as e:
-            self.close()
-            raise RuntimeError(
-                f"the grammar process exited as it started (exit code {self._process.exitcode}); a "
-                'script that runs the engine must do so under `if __name__ == "__main__":` (processes '
-                "start by importing it), or set num_grammar_processes=0"
-            ) from e
-        if status != "ready":
-            self.close()
-            raise RuntimeError(f"the grammar process failed to start: {payload}")
-        self.eos_token_ids = payload
+    @property
+    def has_compiled(self) -> bool:
+        return bool(self._compiled)
 
     def compile(self, key: int, params: StructuredOutputsParams) -> None:
-        self._send(("compile", self._take_released(), key, params))
-        error = self._receive()
-        if error is not None:
-            raise ValueError(error)
+        self.compiling.add(key)
+        if not self.alive:
+            self._fail_compiling("the grammar process has exited")
+        elif self.ready:
+            self._send(("compile", self._take_released(), key, params))
+        else:
+            # Sent once the process reads its pipe: a burst of schemas could fill the pipe's buffer
+            # meanwhile and block the engine's thread.
+            self._unsent.append((key, params))
+
+    def take_compiled(self) -> list[CompiledGrammar]:
+        done, self._compiled = self._compiled, []
+        return done
+
+    def read_available(self) -> None:
+        """Reads what the process has sent, without waiting (a process that has exited fails its
+        compiles); raises RuntimeError when it could not start."""
+        if not self.alive:
+            return
+        if not self.ready and time.monotonic() - self._started > START_TIMEOUT_S:
+            self.close()
+            raise RuntimeError(f"the grammar process did not start within {START_TIMEOUT_S:.0f} s")
+        with contextlib.suppress(GrammarProcessExited):
+            while self.alive and self.connection.poll(0):
+                self._read()
 
     def send_step(self, feeds: list[GrammarFeed], start: int, keys: list[int]) -> None:
         message = (
@@ -261,12 +310,13 @@ class _GrammarProcess:
         return self._receive()
 
     def close(self) -> None:
-        self._conn.close()  # the process exits at the end of its pipe
+        self.connection.close()  # the process exits at the end of its pipe
         self._process.join(timeout=5)
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
         self.alive = False
+        self._fail_compiling("the grammar process was closed")
 
     def _take_released(self) -> list[int]:
         # RemoteGrammar.__del__ may append from any thread: take what is there, atomically per item.
@@ -275,21 +325,51 @@ class _GrammarProcess:
             released.append(self.released.pop())
         return released
 
+    def _receive(self) -> Any:
+        """The next reply of a step (compile answers read on the way are kept)."""
+        while not self._replies:
+            self._read()
+        return self._replies.popleft()
+
+    def _read(self) -> None:
+        """Reads one message and puts it where it belongs."""
+        if not self.alive:
+            raise GrammarProcessExited("the grammar process has exited")
+        try:
+            message = self.connection.recv()
+        except (EOFError, ConnectionResetError, OSError) as e:
+            self._exited()
+            if not self.ready and (self._process.exitcode or 0) > 0:  # not killed: it cannot start
+                raise RuntimeError(
+                    f"the grammar process exited as it started (exit code {self._process.exitcode}); a "
+                    'script that runs the engine must do so under `if __name__ == "__main__":` '
+                    "(processes start by importing it), or set num_grammar_processes=0"
+                ) from e
+            raise GrammarProcessExited(f"the grammar process has exited ({type(e).__name__})") from e
+        kind = message[0] if isinstance(message, tuple) else None
+        if kind == "compiled":
+            _, key, error, invalid_input = message
+            self.compiling.discard(key)
+            grammar = RemoteGrammar(key, self.released) if error is None else None
+            self._compiled.append(CompiledGrammar(key, grammar, error, invalid_input))
+        elif kind == "ready":
+            self.ready = True
+            self.eos_token_ids = message[1]
+            unsent, self._unsent = self._unsent, []
+            for key, params in unsent:
+                self._send(("compile", self._take_released(), key, params))
+        elif kind == "failed":
+            self.close()
+            raise RuntimeError(f"the grammar process failed to start: {message[1]}")
+        else:
+            self._replies.append(message)
+
     def _send(self, message: tuple) -> None:
         if not self.alive:
             raise GrammarProcessExited("the grammar process has exited")
         try:
-            self._conn.send(message)
+            self.connection.send(message)
         except (BrokenPipeError, ConnectionResetError, OSError) as e:
-            self._exited()
-            raise GrammarProcessExited(f"the grammar process has exited ({type(e).__name__})") from e
-
-    def _receive(self) -> Any:
-        if not self.alive:
-            raise GrammarProcessExited("the grammar process has exited")
-        try:
-            return self._conn.recv()
-        except (EOFError, ConnectionResetError, OSError) as e:
             self._exited()
             raise GrammarProcessExited(f"the grammar process has exited ({type(e).__name__})") from e
 
@@ -297,6 +377,13 @@ class _GrammarProcess:
         self.alive = False
         self._process.join(timeout=5)
         logger.error("a grammar process exited (exit code %s)", self._process.exitcode)
+        self._fail_compiling(f"the grammar process exited (exit code {self._process.exitcode})")
+
+    def _fail_compiling(self, error: str) -> None:
+        self._unsent.clear()
+        for key in sorted(self.compiling):
+            self._compiled.append(CompiledGrammar(key, error=f"structured_outputs: {error} while compiling"))
+        self.compiling.clear()
 
 
 def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: int) -> None:
@@ -307,6 +394,7 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
     from nanoinfer.structured.backend import GrammarCompiler, set_only
 
     torch.set_num_threads(1)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         tokenizer = load_tokenizer(config.model, config.tokenizer)
         eos_token_ids = engine_eos_token_ids(config, tokenizer)
@@ -318,6 +406,28 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
         return
     conn.send(("ready", eos_token_ids))
     grammars: dict[int, Any] = {}
+    send_lock = threading.Lock()  # the loop and the compile thread both answer on the pipe
+    compiles: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send(message: Any) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def compile_loop() -> None:
+        while True:
+            key, params = compiles.get()
+            try:
+                grammars[key] = compiler.compile(params)
+            except Exception as e:  # noqa: BLE001 (the request's own fault: it fails alone)
+                invalid_input = isinstance(e, ValueError)
+                error = str(e) if invalid_input else f"{type(e).__name__}: {e}"
+                message: tuple = ("compiled", key, error, invalid_input)
+            else:
+                message = ("compiled", key, None, False)
+            with contextlib.suppress(OSError):  # the engine has gone: the loop returns
+                send(message)
+
+    threading.Thread(target=compile_loop, name="nanoinfer-grammar-compile", daemon=True).start()
     lost = GrammarResult("structured_outputs: the request's grammar was lost (the grammar process restarted)")
     while True:
         try:
@@ -328,28 +438,23 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
             grammars.pop(key, None)
         if message[0] == "compile":
             _, _, key, params = message
-            try:
-                grammars[key] = compiler.compile(params)
-            except Exception as e:  # noqa: BLE001 (the request's own fault: it fails alone)
-                conn.send(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
-            else:
-                conn.send(None)
-        else:
-            _, _, keys, token_ids, eos_blocked, start, fills = message
-            unusual = {}
-            for i, key in enumerate(keys):
-                grammar = grammars.get(key)
-                result = lost if grammar is None else feed_grammar(grammar, token_ids[i], eos_blocked[i])
-                if result is not ACCEPTED:
-                    unusual[i] = (result.error, result.blocks_eos, result.invalid_input)
-            conn.send(unusual)
-            if fills:
-                started = time.perf_counter()
-                rows = bitmask[start : start + len(fills)]
-                compiler.fill_bitmasks(
-                    [(grammars[key], i) for i, key in enumerate(fills) if key in grammars], rows
-                )
-                for i, key in enumerate(fills):
-                    if key not in grammars:
-                        set_only(rows, i, eos_token_ids)
-                conn.send(time.perf_counter() - started)
+            compiles.put((key, params))
+            continue
+        _, _, keys, token_ids, eos_blocked, start, fills = message
+        unusual = {}
+        for i, key in enumerate(keys):
+            grammar = grammars.get(key)
+            result = lost if grammar is None else feed_grammar(grammar, token_ids[i], eos_blocked[i])
+            if result is not ACCEPTED:
+                unusual[i] = (result.error, result.blocks_eos, result.invalid_input)
+        send(unusual)
+        if fills:
+            started = time.perf_counter()
+            rows = bitmask[start : start + len(fills)]
+            compiler.fill_bitmasks(
+                [(grammars[key], i) for i, key in enumerate(fills) if key in grammars], rows
+            )
+            for i, key in enumerate(fills):
+                if key not in grammars:
+                    set_only(rows, i, eos_token_ids)
+            send(time.perf_counter() - started)

@@ -16,14 +16,15 @@ from nanoinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanoinfer.config import EngineConfig
+    from nanoinfer.engine.grammar_process import RemoteGrammar
     from nanoinfer.structured.backend import Grammar
 
 
 def engine_eos_token_ids(config: EngineConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a sequence: the tokenizer's EOS, and the ``eos_token_id`` (one id or a list) of
-    the model config and of the generation config."""
+    """The ids that end a sequence: the tokenizer's EOS (None: no tokenizer at hand), and the
+    ``eos_token_id`` (one id or a list) of the model config and of the generation config."""
     ids: set[int] = set(config.generation_eos_token_ids)  # generation_config.json's
-    for value in (tokenizer.eos_token_id, getattr(config.hf_config, "eos_token_id", None)):
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(config.hf_config, "eos_token_id", None)):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list | tuple):
@@ -51,6 +52,7 @@ class EngineRequest:
 
 class RequestStatus(Enum):
     WAITING = auto()  # queued, preempted, or waiting for its leader
+    WAITING_FOR_GRAMMAR = auto()  # queued while its structured-outputs constraint compiles
     RUNNING = auto()  # scheduled at least once since it was (re)admitted: prefill chunks or decode
     FINISHED = auto()
 
@@ -88,7 +90,13 @@ class Request:
         "grammar",
     )
 
-    def __init__(self, engine_request: EngineRequest, arrival_index: int, grammar: Grammar | None = None):
+    def __init__(
+        self,
+        engine_request: EngineRequest,
+        arrival_index: int,
+        grammar: Grammar | RemoteGrammar | None = None,
+        waits_for_grammar: bool = False,
+    ):
         params = engine_request.params
         self.request_id = engine_request.request_id
         self.params = params
@@ -105,7 +113,7 @@ class Request:
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.num_cached_prompt_tokens = -1  # prompt tokens served by the prefix cache; -1: not admitted yet
-        self.status = RequestStatus.WAITING
+        self.status = RequestStatus.WAITING_FOR_GRAMMAR if waits_for_grammar else RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # Prompt logprobs need the logits of every prompt position: no prefix-cache hits for the prompt.
@@ -117,7 +125,8 @@ class Request:
         self.min_tokens_banned_ids = sorted(banned) if params.min_tokens else []
         allowed = params.allowed_token_ids
         self.allowed_token_set = frozenset(allowed) if allowed is not None else None
-        # The matcher of a structured-outputs request, advanced by every token it accepts.
+        # The matcher of a structured-outputs request (set once compiled), advanced by every token it
+        # accepts.
         self.grammar = grammar
 
     @property

@@ -28,6 +28,7 @@ from nanoinfer.sample.logprobs import TokenLogprobs
 from nanoinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nanoinfer.engine.grammar_process import RemoteGrammar
     from nanoinfer.structured.backend import Grammar
 
 logger = logging.getLogger(__name__)
@@ -153,10 +154,17 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------------------
 
-    def add_request(self, engine_request: EngineRequest, grammar: Grammar | None = None) -> Request:
+    def add_request(
+        self,
+        engine_request: EngineRequest,
+        grammar: Grammar | RemoteGrammar | None = None,
+        waits_for_grammar: bool = False,
+    ) -> Request:
+        """Queues a request; ``waits_for_grammar``: its constraint is compiling, and it is not admitted
+        until :meth:`set_grammar` (the requests behind it are)."""
         if engine_request.request_id in self.requests:
             raise ValueError(f"request_id {engine_request.request_id!r} is already in use")
-        request = Request(engine_request, self._num_arrivals, grammar)
+        request = Request(engine_request, self._num_arrivals, grammar, waits_for_grammar)
         self._num_arrivals += 1
         self.requests[request.request_id] = request
         leader = self.requests.get(request.leader_id) if request.leader_id else None
@@ -165,6 +173,21 @@ class Scheduler:
         else:
             self.waiting.append(request)
         return request
+
+    def set_grammar(self, request_id: str, grammar: Grammar | RemoteGrammar) -> None:
+        """A compiled constraint's matcher: its request may be admitted (an unknown id is ignored: the
+        request is gone)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            request.grammar = grammar
+            request.status = RequestStatus.WAITING
+
+    def fail_request(
+        self, request_id: str, error: str, invalid_input: bool = False
+    ) -> EngineCoreOutput | None:
+        """Ends a request with ``error`` (its constraint did not compile); None if it is gone."""
+        request = self.requests.get(request_id)
+        return self._fail(request, error, invalid_input) if request is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -245,7 +268,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting.popleft()
-            if request.num_pending:  # preempted with a sampled token still on its way to the host
+            # Preempted with a sampled token still on its way to the host, or its constraint compiling.
+            if request.num_pending or request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 skipped.append(request)
                 continue
             cached = self.kv.find_cached_prefix(request)

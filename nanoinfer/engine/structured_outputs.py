@@ -12,11 +12,18 @@ forward pass and makes step n's outputs. Step n's outputs wait only for the feed
 Where the grammars run: on CUDA in processes of their own (``EngineConfig.num_grammar_processes``, see
 engine/grammar_process.py), beside the engine's thread and without sharing its GIL; on the CPU on the
 engine's thread (a process there would take the cores the forward pass uses).
+
+Compiles never hold up the engine's steps: a constraint compiles on a thread (of the grammar process
+that will hold it, or of the engine's process) while its request waits
+(``RequestStatus.WAITING_FOR_GRAMMAR``) and the other requests run; the core takes the compiles that are
+done at each step (:meth:`StructuredOutputManager.poll_compiled`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanoinfer.config import EngineConfig
+from nanoinfer.engine.grammar_process import CompiledGrammar
 from nanoinfer.engine.request import engine_eos_token_ids
 from nanoinfer.structured.params import StructuredOutputsParams
 
@@ -114,14 +122,18 @@ class StructuredOutputManager:
     """Compiles constraints into matchers, feeds them and fills bitmasks. The grammar compiler
     (llguidance's token trie, and for JSON xgrammar's tokenizer info: together about a second and a
     half for a 150k vocabulary), or the grammar processes, are built by the first constrained request, so
-    that engines that never see one never pay for it."""
+    that engines that never see one never pay for it (on the compile thread, or in the processes)."""
 
     def __init__(self, config: EngineConfig, tokenizer: Callable[[], Any]):
         self._config = config
         self._tokenizer = tokenizer
         self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()  # the frontend's validation and the compile thread
         self._processes: GrammarProcesses | None = None
-        self._next_key = 0  # the last key given to a grammar in the processes (keys are never reused)
+        self._next_key = 0  # the last key given to a compile (keys are never reused)
+        # Without grammar processes: the compile thread, and its compiles in flight by key.
+        self._compile_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._compiling: dict[int, concurrent.futures.Future] = {}
         self._buffer: torch.Tensor | None = None
         self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
         self._upload_event: torch.cuda.Event | None = None
@@ -134,15 +146,16 @@ class StructuredOutputManager:
 
     @property
     def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:
-            from nanoinfer.structured.backend import GrammarCompiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                from nanoinfer.structured.backend import GrammarCompiler
 
-            tokenizer = self._tokenizer()
-            config = self._config
-            self._compiler = GrammarCompiler(
-                tokenizer, config.hf_config.vocab_size, engine_eos_token_ids(config, tokenizer)
-            )
-        return self._compiler
+                tokenizer = self._tokenizer()
+                config = self._config
+                self._compiler = GrammarCompiler(
+                    tokenizer, config.hf_config.vocab_size, engine_eos_token_ids(config, tokenizer)
+                )
+            return self._compiler
 
     def _grammar_processes(self) -> GrammarProcesses:
         """The grammar processes, started by the first call, and any that has exited started again."""
@@ -162,15 +175,50 @@ class StructuredOutputManager:
         ``GrammarCompiler.compile``)."""
         self.compiler.compile(params, validate=True)
 
-    def compile(self, params: StructuredOutputsParams) -> Grammar | RemoteGrammar:
-        """A fresh matcher (in a grammar process: its handle); ValueError naming the field when the
-        constraint is invalid."""
-        if not self._config.num_grammar_processes:
-            return self.compiler.compile(params)
-        self.finish_pending()  # a pipe carries one exchange at a time
-        processes = self._grammar_processes()
+    def start_compile(self, params: StructuredOutputsParams) -> int:
+        """Starts compiling a fresh matcher of ``params`` and returns at once: the compile's key, which
+        :meth:`poll_compiled` gives back with the matcher (in a grammar process: its handle), or with the
+        error (ValueError's message naming the field when the constraint is invalid)."""
         self._next_key += 1
-        return processes.compile(self._next_key, params)
+        key = self._next_key
+        if self._config.num_grammar_processes:
+            self._grammar_processes().compile(key, params)
+        else:
+            if self._compile_thread is None:
+                self._compile_thread = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="nanoinfer-grammar-compile"
+                )
+            self._compiling[key] = self._compile_thread.submit(lambda: self.compiler.compile(params))
+        return key
+
+    def has_compiling(self) -> bool:
+        """Whether a compile has not been taken by :meth:`poll_compiled` yet."""
+        if self._config.num_grammar_processes:
+            return self._processes is not None and self._processes.has_compiling()
+        return bool(self._compiling)
+
+    def poll_compiled(self, timeout: float = 0.0) -> list[CompiledGrammar]:
+        """The compiles that are done, each once (waiting up to ``timeout`` seconds for one when none
+        is). Raises RuntimeError when the grammar processes cannot start."""
+        if self._config.num_grammar_processes:
+            return self._processes.poll(timeout) if self._processes is not None else []
+        if not self._compiling:
+            return []
+        if timeout > 0 and not any(future.done() for future in self._compiling.values()):
+            concurrent.futures.wait(self._compiling.values(), timeout, concurrent.futures.FIRST_COMPLETED)
+        done = []
+        for key, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[key]
+            try:
+                done.append(CompiledGrammar(key, future.result()))
+            except ValueError as e:  # the constraint's own fault
+                done.append(CompiledGrammar(key, error=str(e), invalid_input=True))
+            except Exception as e:  # noqa: BLE001 (the request fails alone; the engine goes on)
+                logger.exception("a constraint failed to compile")
+                done.append(CompiledGrammar(key, error=f"{type(e).__name__}: {e}"))
+        return done
 
     def feed(self, feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
         """Each feed's result by row, fed now."""
@@ -236,6 +284,10 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.finish_pending()
+        if self._compile_thread is not None:
+            self._compile_thread.shutdown(wait=False, cancel_futures=True)
+            self._compile_thread = None
+            self._compiling.clear()
         if self._processes is not None:
             self._processes.close()
             self._processes = None

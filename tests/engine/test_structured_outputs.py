@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import deque
+from collections.abc import Callable
 
 import pytest
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+from nanoinfer.engine.request import EngineRequest
 from nanoinfer.sampling_params import RequestOutputKind
 from nanoinfer.structured import ReasoningSpan
 
@@ -400,7 +404,9 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
     try:
         core = llm.llm_engine.engine_core
         launched: list = []  # the steps launched with their sampling deferred
-        staged: list[bool] = []
+        # Per constrained step: whether its inputs were staged, and whether the step before was constrained.
+        staged: list[tuple[bool, bool]] = []
+        deferred: list[bool] = []  # every step launched: whether its sampling was deferred
         filled_in_flight: list[bool] = []
         launch = core.executor.launch
         start_bitmask = core.structured_outputs.start_bitmask
@@ -408,7 +414,8 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
         def logged_launch(out, prepared, defer_sampling=False, staged_inputs=None):
             if defer_sampling:
                 launched.append(out)
-                staged.append(staged_inputs is not None)
+                staged.append((staged_inputs is not None, bool(deferred) and deferred[-1]))
+            deferred.append(defer_sampling)
             return launch(out, prepared, defer_sampling, staged_inputs)
 
         def logged_start_bitmask(grammars, feeds):
@@ -424,8 +431,10 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
             if output.outputs[0].finish_reason == "stop":
                 CHECKS[kind][1](output.outputs[0].text)
         assert len(filled_in_flight) >= 20 and all(filled_in_flight), filled_in_flight
-        # Every constrained step but the first follows one whose sampling was deferred.
-        assert not staged[0] and all(staged[1:]), staged
+        # A constrained step that follows another stages its inputs while that one's bitmask fills (the
+        # constrained requests join as their constraints compile, so some follow an unconstrained step).
+        assert all(inputs_staged == after_constrained for inputs_staged, after_constrained in staged), staged
+        assert sum(inputs_staged for inputs_staged, _ in staged) >= 20, staged
         assert asked_here == []
         assert llm.llm_engine.stats()["structured_mask_steps"] >= 20
         _no_leak(llm)
@@ -491,11 +500,161 @@ def test_a_dead_grammar_process_fails_its_own_requests_alone_and_is_started_agai
         for output in again:
             check(output.outputs[0].text)
         assert core.structured_outputs._processes is processes and all(p.alive for p in processes.processes)
-        with pytest.raises(ValueError, match="regex"):
-            core.structured_outputs.compile(StructuredOutputsParams(regex="(unclosed"))
+        # Past the frontend's validation, an invalid constraint fails its request alone, for its input.
+        bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+        core.add_request(EngineRequest("bad", [1, 2, 3], bad, seed=0))
+        outputs = []
+        while core.has_unfinished_requests():
+            outputs += core.step().outputs
+        assert [(o.request_id, o.finish_reason, o.invalid_input) for o in outputs] == [("bad", "error", True)]
+        assert "regex" in outputs[0].error
         _no_leak(llm)
     finally:
         llm.close()
+
+
+def _run_until(engine, finished: dict, done: Callable[[], bool], max_steps: int = 2000) -> None:
+    for _ in range(max_steps):
+        if done():
+            return
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    raise AssertionError(f"not done after {max_steps} steps: {sorted(finished)}")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_compiling_constraint_holds_up_neither_the_engine_nor_the_requests_behind_it(
+    tiny_qwen3, monkeypatch, async_scheduling
+):
+    """The engine's compile of a constraint runs on a thread while its request waits: an unconstrained
+    request that arrived after it runs to its end meanwhile, one aborted while its constraint compiles
+    leaves nothing behind, and the compiled request's output follows its constraint."""
+    llm = LLM(
+        tiny_qwen3, device="cpu", async_scheduling=async_scheduling, num_grammar_processes=0, max_num_seqs=8
+    )
+    release = threading.Event()
+    try:
+        engine = llm.llm_engine
+        compiler = engine.engine_core.structured_outputs.compiler
+        compile_grammar = compiler.compile
+        compiled_on: list[str] = []
+
+        def held_compile(params, validate=False):
+            if not validate:  # the engine's compile (the frontend's validation comes first)
+                compiled_on.append(threading.current_thread().name)
+                assert release.wait(60)
+            return compile_grammar(params, validate)
+
+        monkeypatch.setattr(compiler, "compile", held_compile)
+        regex, check = CHECKS["regex"]
+        constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=regex)
+        engine.add_request("constrained", PROMPTS[0], constrained)
+        engine.add_request("aborted", PROMPTS[1], constrained)
+        engine.add_request("free", PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True))
+        finished: dict = {}
+        _run_until(engine, finished, lambda: "free" in finished)
+        assert list(finished) == ["free"] and len(finished["free"].outputs[0].token_ids) == 12
+        assert engine.abort_request("aborted")
+        release.set()
+        _run_until(engine, finished, lambda: not engine.has_unfinished_requests())
+        assert sorted(finished) == ["constrained", "free"]
+        completion = finished["constrained"].outputs[0]
+        assert completion.finish_reason in ("stop", "length")
+        if completion.finish_reason == "stop":
+            check(completion.text)
+        assert compiled_on and all(name.startswith("nanoinfer-grammar-compile") for name in compiled_on)
+        _no_leak(llm)
+    finally:
+        release.set()
+        llm.close()
+
+
+def test_the_grammar_processes_start_and_compile_while_the_engine_steps(tiny_qwen3):
+    """The first constrained request starts the grammar processes without waiting for them (seconds:
+    the unconstrained request runs meanwhile), and constraints that arrive while others decode compile
+    beside the steps; every output follows its constraint and nothing leaks."""
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, num_grammar_processes=2, max_num_seqs=8)
+    try:
+        engine = llm.llm_engine
+        manager = engine.engine_core.structured_outputs
+        kinds = ["json", "regex", "choice", "grammar", "json_object"]
+
+        def add(i: int) -> None:
+            params = SamplingParams(
+                temperature=1.0, seed=i, max_tokens=60, structured_outputs=CHECKS[kinds[i]][0]
+            )
+            engine.add_request(f"c{i}", PROMPTS[i % len(PROMPTS)], params)
+
+        add(0)
+        engine.add_request("free", PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True))
+        processes = manager._processes.processes
+        assert not any(process.ready for process in processes)  # add_request did not wait for them
+        finished: dict = {}
+        _run_until(engine, finished, lambda: "free" in finished)
+        assert "c0" not in finished
+        # Later constraints arrive while c0 decodes: their compiles' answers share the pipes with steps.
+        _run_until(engine, finished, lambda: all(process.ready for process in processes))
+        for i in range(1, len(kinds)):
+            add(i)
+            for _ in range(3):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+        _run_until(engine, finished, lambda: not engine.has_unfinished_requests())
+        assert sorted(finished) == sorted(["free"] + [f"c{i}" for i in range(len(kinds))])
+        for i, kind in enumerate(kinds):
+            completion = finished[f"c{i}"].outputs[0]
+            assert completion.finish_reason in ("stop", "length"), completion
+            if completion.finish_reason == "stop":
+                CHECKS[kind][1](completion.text)
+        assert not manager.has_compiling()
+        _no_leak(llm)
+    finally:
+        llm.close()
+
+
+def test_compile_answers_between_a_steps_replies_are_kept_for_the_poll():
+    """The engine reads a grammar process's pipe in order; a compile's answer read while it waits for a
+    step's replies is kept for the next poll, and the step's replies are still its own."""
+    from nanoinfer.engine.grammar_process import _GrammarProcess
+    from nanoinfer.engine.structured_outputs import ACCEPTED, GrammarFeed
+
+    class Pipe:
+        def __init__(self, messages):
+            self.messages = list(messages)
+
+        def recv(self):
+            return self.messages.pop(0)
+
+        def poll(self, timeout=0):
+            return bool(self.messages)
+
+    process = _GrammarProcess.__new__(_GrammarProcess)
+    process.connection = Pipe(
+        [
+            ("compiled", 7, None, False),
+            {1: ("not allowed", False, False)},
+            ("compiled", 8, "structured_outputs.regex is invalid", True),
+            0.25,
+            ("compiled", 9, None, False),
+        ]
+    )
+    process.alive, process.ready, process.released = True, True, []
+    process.compiling, process._compiled, process._replies, process._unsent = {7, 8, 9}, [], deque(), []
+    feeds = [GrammarFeed(row, grammar=None, token_id=5, eos_blocked=False) for row in (3, 4)]
+    results = process.receive_results(feeds)
+    assert results[3] is ACCEPTED and results[4].error == "not allowed"
+    assert process.receive_fill() == 0.25
+    process.read_available()
+    compiled = process.take_compiled()
+    assert [(c.key, c.error, c.invalid_input) for c in compiled] == [
+        (7, None, False),
+        (8, "structured_outputs.regex is invalid", True),
+        (9, None, False),
+    ]
+    assert compiled[0].grammar.key == 7 and compiled[1].grammar is None
+    assert process.compiling == set() and process.take_compiled() == []
 
 
 def test_a_script_without_a_main_guard_gets_an_error_that_says_so(tiny_qwen3, tmp_path):
