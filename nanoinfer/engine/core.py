@@ -130,8 +130,9 @@ class EngineCore:
     def _take_compiled(self) -> list[EngineCoreOutput]:
         """Hands the compiled constraints to their requests; the outputs of those that failed. When every
         unfinished request waits for its constraint, waits a little for one (instead of spinning)."""
-        if not self._compiling:
+        if not self._compiling and not self.structured_outputs.has_compiling():
             return []
+        # (Compiles of aborted requests are taken too: their matchers are released then.)
         idle = self._in_flight is None and self._pending_bitmask is None
         if idle:
             compiling = set(self._compiling.values())

@@ -135,7 +135,8 @@ class GrammarProcesses:
         self.processes[key % len(self.processes)].compile(key, params)
 
     def has_compiling(self) -> bool:
-        return bool(self._orphaned) or any(process.compiling for process in self.processes)
+        """Whether a compile has not been taken by :meth:`poll` yet."""
+        return bool(self._orphaned) or any(p.compiling or p.has_compiled for p in self.processes)
 
     def poll(self, timeout: float = 0.0) -> list[CompiledGrammar]:
         """The compiles that are done (waiting up to ``timeout`` seconds for one when none is). Raises
@@ -413,19 +414,21 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
         with send_lock:
             conn.send(message)
 
+    def compile_and_answer(key: int, params: StructuredOutputsParams) -> None:
+        try:
+            grammars[key] = compiler.compile(params)
+        except Exception as e:  # noqa: BLE001 (the request's own fault: it fails alone)
+            invalid_input = isinstance(e, ValueError)
+            error = str(e) if invalid_input else f"{type(e).__name__}: {e}"
+            message: tuple = ("compiled", key, error, invalid_input)
+        else:
+            message = ("compiled", key, None, False)
+        with contextlib.suppress(OSError):  # the engine has gone: the loop returns
+            send(message)
+
     def compile_loop() -> None:
         while True:
-            key, params = compiles.get()
-            try:
-                grammars[key] = compiler.compile(params)
-            except Exception as e:  # noqa: BLE001 (the request's own fault: it fails alone)
-                invalid_input = isinstance(e, ValueError)
-                error = str(e) if invalid_input else f"{type(e).__name__}: {e}"
-                message: tuple = ("compiled", key, error, invalid_input)
-            else:
-                message = ("compiled", key, None, False)
-            with contextlib.suppress(OSError):  # the engine has gone: the loop returns
-                send(message)
+            compile_and_answer(*compiles.get())
 
     threading.Thread(target=compile_loop, name="nanoinfer-grammar-compile", daemon=True).start()
     lost = GrammarResult("structured_outputs: the request's grammar was lost (the grammar process restarted)")
@@ -438,7 +441,12 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
             grammars.pop(key, None)
         if message[0] == "compile":
             _, _, key, params = message
-            compiles.put((key, params))
+            if compiler.is_kept(params):
+                # A repeated constraint (a pipeline's, a served tool's) needs a matcher only: here at
+                # once, rather than behind a new schema's compile.
+                compile_and_answer(key, params)
+            else:
+                compiles.put((key, params))
             continue
         _, _, keys, token_ids, eos_blocked, start, fills = message
         unusual = {}

@@ -183,6 +183,15 @@ class StructuredOutputManager:
         key = self._next_key
         if self._config.num_grammar_processes:
             self._grammar_processes().compile(key, params)
+        elif self._compiler is not None and self._compiler.is_kept(params):
+            # A repeated constraint (the frontend's validation of this request compiled it, when the
+            # frontend shares this manager) needs a matcher only: made here, taken by the next poll.
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                done.set_result(self._compiler.compile(params))
+            except Exception as e:  # noqa: BLE001 (given to the poll, as the compile thread's)
+                done.set_exception(e)
+            self._compiling[key] = done
         else:
             if self._compile_thread is None:
                 self._compile_thread = concurrent.futures.ThreadPoolExecutor(

@@ -547,6 +547,9 @@ def test_a_compiling_constraint_holds_up_neither_the_engine_nor_the_requests_beh
             return compile_grammar(params, validate)
 
         monkeypatch.setattr(compiler, "compile", held_compile)
+        # As for a constraint the frontend's validation did not compile here (the engine in a process of
+        # its own): the engine compiles it anew.
+        monkeypatch.setattr(compiler, "is_kept", lambda params: False)
         regex, check = CHECKS["regex"]
         constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=regex)
         engine.add_request("constrained", PROMPTS[0], constrained)
@@ -565,6 +568,19 @@ def test_a_compiling_constraint_holds_up_neither_the_engine_nor_the_requests_beh
             check(completion.text)
         assert compiled_on and all(name.startswith("nanoinfer-grammar-compile") for name in compiled_on)
         _no_leak(llm)
+        # A constraint the frontend's validation compiled in this process gets its matcher at once.
+        monkeypatch.undo()
+        calls: list[tuple[bool, str]] = []
+
+        def recorded_compile(params, validate=False):
+            calls.append((validate, threading.current_thread().name))
+            return compile_grammar(params, validate)
+
+        monkeypatch.setattr(compiler, "compile", recorded_compile)
+        output = llm.generate(PROMPTS[3], constrained, use_tqdm=False)[0].outputs[0]
+        assert output.finish_reason in ("stop", "length")
+        here = threading.current_thread().name
+        assert calls == [(True, here), (False, here)]  # the frontend's validation, then the engine's
     finally:
         release.set()
         llm.close()
