@@ -406,7 +406,8 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
         launched: list = []  # the steps launched with their sampling deferred
         # Per constrained step: whether its inputs were staged, and whether the step before was constrained.
         staged: list[tuple[bool, bool]] = []
-        deferred: list[bool] = []  # every step launched: whether its sampling was deferred
+        # Every step call: whether the step it launched deferred its sampling (False: it launched none).
+        deferred: list[bool] = []
         filled_in_flight: list[bool] = []
         launch = core.executor.launch
         start_bitmask = core.structured_outputs.start_bitmask
@@ -423,7 +424,16 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
             filled_in_flight.append(bool(launched) and core._in_flight[0] is launched[-1])
             return start_bitmask(grammars, feeds)
 
+        schedule = core.scheduler.schedule
+
+        def logged_schedule():
+            out = schedule()
+            if out.is_empty:  # nothing is launched: the next step follows none
+                deferred.append(False)
+            return out
+
         core.executor.launch = logged_launch
+        core.scheduler.schedule = logged_schedule
         core.structured_outputs.start_bitmask = logged_start_bitmask
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
