@@ -101,8 +101,8 @@ class GrammarProcesses:
     processes of their grammars, which work at once (their rows of one shared bitmask)."""
 
     def __init__(self, config: EngineConfig, num_rows: int, num_processes: int):
-        from nanoinfer.structured.backend import allocate_token_bitmask
-        from nanoinfer.structured.xgrammar_backend import default_num_threads
+        # Not xgrammar's module: importing it takes half a second of the engine's thread.
+        from nanoinfer.structured.backend import allocate_token_bitmask, default_num_threads
 
         self._config = config
         self.bitmask = allocate_token_bitmask(num_rows, config.hf_config.vocab_size).share_memory_()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import abc
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -79,6 +80,11 @@ PARSER_LIMITS = dict(
     # Errors then say what is wrong without echoing the parser state and the whole grammar.
     verbose_errors=False,
 )
+
+
+def default_num_threads() -> int:
+    """llguidance's default for its mask threads: 80% of the cores, at most 32."""
+    return max(1, min(32, (os.cpu_count() or 1) * 4 // 5))
 
 
 def bitmask_words(vocab_size: int) -> int:

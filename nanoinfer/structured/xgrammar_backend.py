@@ -25,7 +25,6 @@ Threads: as llguidance's, a matcher may be used from any thread but by one at a 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from nanoinfer.structured.backend import (
     bitmask_words,
     check_bitmask,
     check_row,
+    default_num_threads,
     set_only,
 )
 
@@ -373,11 +373,6 @@ def fix_strings(ebnf: str) -> str:
 # --fill-threads, 64 rows of the engine benchmark's schema): 1482 us with 1 thread, 927 with 2, 682 with
 # 4, 607 with 8, 696 with 12, 855 with 16.
 MAX_FILL_THREADS = 8
-
-
-def default_num_threads() -> int:
-    """llguidance's default for its mask threads: 80% of the cores, at most 32."""
-    return max(1, min(32, (os.cpu_count() or 1) * 4 // 5))
 
 
 class XGrammarCompiler:
