@@ -77,6 +77,7 @@ class EngineCore:
         # The bitmask of the in-flight step's constrained rows, filling in the grammar processes.
         self._pending_bitmask: tuple[SchedulerOutput, PendingBitmask] | None = None
         self._compiling: dict[int, str] = {}  # the request of each constraint compiling, by compile key
+        self._ran_nothing = False  # the last step had nothing to launch and none in flight
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         logger.info(
@@ -128,17 +129,14 @@ class EngineCore:
         return outputs
 
     def _take_compiled(self) -> list[EngineCoreOutput]:
-        """Hands the compiled constraints to their requests; the outputs of those that failed. When every
-        unfinished request waits for its constraint, waits a little for one (instead of spinning)."""
+        """Hands the compiled constraints to their requests; the outputs of those that failed. After a
+        step that had nothing to run, waits a little for a compile (instead of spinning)."""
         if not self._compiling and not self.structured_outputs.has_compiling():
             return []
         # (Compiles of aborted requests are taken too: their matchers are released then.)
-        idle = self._in_flight is None and self._pending_bitmask is None
-        if idle:
-            compiling = set(self._compiling.values())
-            idle = all(request_id in compiling for request_id in self.scheduler.requests)
+        timeout = IDLE_COMPILE_WAIT_S if self._ran_nothing else 0.0
         failed = []
-        for compiled in self.structured_outputs.poll_compiled(IDLE_COMPILE_WAIT_S if idle else 0.0):
+        for compiled in self.structured_outputs.poll_compiled(timeout):
             request_id = self._compiling.pop(compiled.key, None)
             if request_id is None:
                 continue
@@ -152,6 +150,7 @@ class EngineCore:
 
     def _step(self) -> EngineCoreOutputs:
         out = self.scheduler.schedule()
+        self._ran_nothing = out.is_empty and self._in_flight is None
         prepared = self.executor.prepare(out) if not out.is_empty else None
         constrained = prepared is not None and bool(out.structured_rows)
         if not self.async_scheduling:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
 import pytest
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+from nanoinfer.engine.core import IDLE_COMPILE_WAIT_S
 from nanoinfer.engine.request import EngineRequest
 from nanoinfer.sampling_params import RequestOutputKind
 from nanoinfer.structured import ReasoningSpan
@@ -568,6 +570,11 @@ def test_a_compiling_constraint_holds_up_neither_the_engine_nor_the_requests_beh
         finished: dict = {}
         _run_until(engine, finished, lambda: "free" in finished)
         assert list(finished) == ["free"] and len(finished["free"].outputs[0].token_ids) == 12
+        # With nothing to run but compiles, a step waits a little for them instead of spinning.
+        started = time.perf_counter()
+        for _ in range(6):
+            assert engine.step() == []
+        assert time.perf_counter() - started >= 5 * 0.8 * IDLE_COMPILE_WAIT_S
         assert engine.abort_request("aborted")
         release.set()
         _run_until(engine, finished, lambda: not engine.has_unfinished_requests())
