@@ -4,13 +4,15 @@
 thread owns an LLMEngine (it is not thread-safe) and runs its loop: it applies queued commands (add,
 abort, inspect), runs one ``step()`` while any request is unfinished, and hands every step's outputs to
 the asyncio side in one batch per event loop. Requests added while the engine runs join the batch at the
-next step. When there is nothing to do the thread blocks on its command queue.
+next step; text to tokenize and structured-outputs constraints to validate are processed on input
+threads first, beside the engine's steps. When there is nothing to do the thread blocks on its command
+queue.
 
 **With the engine core in a process of its own** (``AsyncLLM.with_engine_process(config)``,
 ``from_kwargs(model, engine_process=True)``): this process keeps the frontend and the core's process only
 runs the model, so the core's step loop never shares an interpreter (and its GIL) with HTTP, JSON and
-text work. Requests are validated and tokenized here (token ids: on the caller's event loop; text: on an
-input thread of their own) and sent to the core as EngineRequests; aborts go as core request ids. Each
+text work. Requests are validated and tokenized here (token ids: on the caller's event loop; text and
+structured-outputs constraints: on input threads, see _InputThreads) and sent to the core as EngineRequests; aborts go as core request ids. Each
 core step's new token ids arrive in one batch on the EngineCoreProcess's receiver thread, which turns
 them into RequestOutputs (detokenization, stop strings: the output processor) and posts them to their
 streams, one hop per event loop. A stop string found here aborts the core request. Nothing here waits
@@ -41,7 +43,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from nanoinfer.frontend.core_client import EngineCoreDeadError, EngineCoreProcess
-from nanoinfer.frontend.input_processor import InputProcessor, PromptType, completion_seed
+from nanoinfer.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType, completion_seed
 from nanoinfer.frontend.output_processor import OutputProcessor, RequestStatsListener
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -85,6 +87,8 @@ class _AddCommand:
     stream: RequestStream
     accepted: asyncio.Future
     arrival_time: float
+    # Already tokenized and validated on the input thread (then ``prompt`` and ``params`` are not read).
+    processed: ProcessedRequest | None = None
 
 
 @dataclass
@@ -371,6 +375,7 @@ class _Driver:
         self.crashed = False
         self.last_stats: dict[str, int] = {}  # what get_stats answers once the engine has stopped
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self.input_threads = _InputThreads()
 
     def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
         with self.lock:
@@ -416,8 +421,25 @@ class _EngineThread(_Driver):
         self._engine.output_processor.stats_listener = listener
 
     async def add(self, request_id: str, prompt: Any, params: SamplingParams, stream: RequestStream) -> None:
+        arrival_time = time.time()
+        processed = None
+        input_thread = self.input_threads.for_request(prompt, params)
+        if input_thread is not None:
+            # Beside the engine's steps rather than between them.
+            if self.dead is not None:
+                raise self.dead
+            process = self._engine.input_processor.process
+            try:
+                processed = await stream._loop.run_in_executor(
+                    input_thread, process, request_id, prompt, params, arrival_time
+                )
+            except BaseException as e:
+                stream.finished = True
+                if isinstance(e, RuntimeError) and self.dead is not None:  # the input thread is gone
+                    raise self.dead from None
+                raise
         accepted = stream._loop.create_future()
-        self._submit(_AddCommand(request_id, prompt, params, stream, accepted, time.time()))
+        self._submit(_AddCommand(request_id, prompt, params, stream, accepted, arrival_time, processed))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -506,7 +528,12 @@ class _EngineThread(_Driver):
         engine = self._engine
         if isinstance(command, _AddCommand):
             try:
-                engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+                if command.processed is not None:
+                    engine.add_processed_request(command.processed)
+                else:
+                    engine.add_request(
+                        command.request_id, command.prompt, command.params, command.arrival_time
+                    )
             except Exception as e:  # a bad request fails alone; the engine allocated nothing for it
                 _resolve(command.accepted, error=e)
                 return
@@ -554,6 +581,7 @@ class _EngineThread(_Driver):
                 _resolve(command.accepted, error=error)
             elif isinstance(command, _CallCommand):
                 command.result.set_exception(error)
+        self.input_threads.shutdown()
         try:
             engine.close()
         except Exception:
@@ -584,8 +612,6 @@ class _EngineProcess(_Driver):
         self._output_processor = OutputProcessor(output_tokenizer, stats_listener)
         self._streams: dict[str, RequestStream] = {}  # by the user's request id
         self._core_ids = itertools.count()
-        # Text prompts are tokenized here, one at a time, off the event loops.
-        self._input_thread = concurrent.futures.ThreadPoolExecutor(1, "nanoinfer-input")
         self._client = EngineCoreProcess(
             config, self._on_outputs, self._on_dead, ready_timeout=ready_timeout, core_factory=core_factory
         )
@@ -613,11 +639,10 @@ class _EngineProcess(_Driver):
             raise self.dead
         process = self._input_processor.process
         args = (f"{request_id}@{next(self._core_ids)}", prompt, params, time.time())
-        # Compiling a constraint (and, the first time, the grammar compiler) is off the event loop too.
-        constrained = isinstance(params, SamplingParams) and params.structured_outputs is not None
-        if _needs_tokenizing(prompt) or constrained:
+        input_thread = self.input_threads.for_request(prompt, params)
+        if input_thread is not None:
             try:
-                request = await stream._loop.run_in_executor(self._input_thread, process, *args)
+                request = await stream._loop.run_in_executor(input_thread, process, *args)
             except RuntimeError:  # the input thread is gone: shut down since the check above
                 if self.dead is not None:
                     raise self.dead from None
@@ -686,7 +711,7 @@ class _EngineProcess(_Driver):
         if first:
             _fail_streams(streams, error)
             # A prompt being tokenized meanwhile finishes; its add then fails with the error.
-            self._input_thread.shutdown(wait=False)
+            self.input_threads.shutdown()
         self._client.shutdown(timeout)
 
     # -- the receiver thread ---------------------------------------------------------------------------
@@ -712,6 +737,27 @@ class _EngineProcess(_Driver):
         # The callbacks first: whoever sees the error has them behind it.
         self._run_death_callbacks(error)
         _fail_streams(streams, error)
+
+
+class _InputThreads:
+    """Where requests are processed off the callers' event loops (and, with the engine on a thread,
+    beside its steps): text to tokenize on one thread, structured-outputs constraints to validate (a
+    compile: milliseconds, and seconds for the first, which builds the grammar compiler) on another, so
+    that a constraint never holds up another request's tokenization."""
+
+    def __init__(self) -> None:
+        self._text = concurrent.futures.ThreadPoolExecutor(1, "nanoinfer-input")
+        self._constraints = concurrent.futures.ThreadPoolExecutor(1, "nanoinfer-constraints")
+
+    def for_request(self, prompt: Any, params: Any) -> concurrent.futures.Executor | None:
+        """The thread that processes this request; None for one that needs neither (token ids)."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            return self._constraints
+        return self._text if _needs_tokenizing(prompt) else None
+
+    def shutdown(self) -> None:
+        self._text.shutdown(wait=False)
+        self._constraints.shutdown(wait=False)
 
 
 def _needs_tokenizing(prompt: Any) -> bool:

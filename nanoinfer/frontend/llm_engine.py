@@ -9,7 +9,7 @@ from typing import Any
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.core import EngineCore
-from nanoinfer.frontend.input_processor import InputProcessor, PromptType
+from nanoinfer.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from nanoinfer.frontend.output_processor import OutputProcessor
 from nanoinfer.models.checkpoint import load_tokenizer
 from nanoinfer.outputs import RequestOutput
@@ -50,15 +50,19 @@ class LLMEngine:
         """Validates and queues a request; on error nothing is queued or allocated."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = self.input_processor.process(request_id, prompt, params, arrival_time)
-        self.output_processor.add_request(request)
+        self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time))
+
+    def add_processed_request(self, request: ProcessedRequest) -> None:
+        """Queues a request that ``input_processor.process`` made (on any thread: tokenizing and
+        validating need not run between this engine's steps); on error nothing is queued or allocated."""
+        self.output_processor.add_request(request)  # raises ValueError for an id in use
         added = []
         try:
             for child in request.children:
                 self.engine_core.add_request(child)
                 added.append(child.request_id)
         except BaseException:
-            self.output_processor.abort_request(request_id)
+            self.output_processor.abort_request(request.request_id)
             self.engine_core.abort_requests(added)
             raise
 

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import glob
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
 from nanoinfer.config import EngineConfig
 from nanoinfer.frontend.async_llm import AsyncLLM, EngineDeadError
 from nanoinfer.frontend.llm_engine import LLMEngine
@@ -199,6 +200,50 @@ def test_requests_join_a_running_batch(tiny_qwen3, reference):
     finally:
         llm.shutdown()
     assert max(batch_sizes) >= 2  # the late requests decoded in the same steps as the first one
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine_thread", "engine_process"])
+def test_a_constraint_is_validated_beside_the_steps_and_the_other_requests(
+    tiny_qwen3, reference, engine_process
+):
+    """A constrained request is validated (its constraint compiled; the first one builds the grammar
+    compiler) on a thread of its own: a text request that arrives meanwhile is tokenized and runs to its
+    end while that validation is held, and the constrained request completes afterwards."""
+    llm = process_llm(tiny_qwen3) if engine_process else make_async_llm(tiny_qwen3)
+    driver = llm._driver
+    processor = driver._input_processor if engine_process else driver._engine.input_processor
+    compiler = processor.structured_outputs.compiler
+    compile_grammar = compiler.compile
+    validating, release = threading.Event(), threading.Event()
+
+    def held_compile(params, validate=False):
+        if validate:
+            validating.set()
+            assert release.wait(30)
+        return compile_grammar(params, validate)
+
+    compiler.compile = held_compile
+
+    async def constrained() -> object:
+        params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{3}"))
+        return (await _drain(llm.generate(PROMPTS[1], params, "constrained")))[-1].outputs[0]
+
+    async def main():
+        task = asyncio.create_task(constrained())
+        assert await asyncio.to_thread(validating.wait, 10)
+        free = (await _drain(llm.generate(PROMPTS[0], greedy(12), "free")))[-1]
+        assert free.outputs[0].token_ids == reference[PROMPTS[0]].token_ids
+        assert not task.done()
+        release.set()
+        completion = await task
+        assert completion.finish_reason == "stop" and re.fullmatch("[a-z]{3}", completion.text), completion
+        assert all_free(await llm.get_stats())
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        llm.shutdown()
 
 
 def test_abort_while_running_frees_blocks(llm):
