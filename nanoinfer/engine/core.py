@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# How long a step waits for a compile when every unfinished request waits for its constraint: it returns
-# as soon as one is done; the bound is how soon the caller sees its new commands (aborts, requests).
+# How long a step waits for a compile after a step that had nothing to run (every unfinished request
+# waits for its constraint): it returns as soon as one is done; the bound is how soon the caller sees its
+# new commands (aborts, requests).
 IDLE_COMPILE_WAIT_S = 0.005
 
 

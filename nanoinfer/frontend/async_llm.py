@@ -9,19 +9,19 @@ threads first, beside the engine's steps. When there is nothing to do the thread
 queue.
 
 **With the engine core in a process of its own** (``AsyncLLM.with_engine_process(config)``,
-``from_kwargs(model, engine_process=True)``): this process keeps the frontend and the core's process only
-runs the model, so the core's step loop never shares an interpreter (and its GIL) with HTTP, JSON and
-text work. Requests are validated and tokenized here (token ids: on the caller's event loop; text and
-structured-outputs constraints: on input threads, see _InputThreads) and sent to the core as EngineRequests; aborts go as core request ids. Each
-core step's new token ids arrive in one batch on the EngineCoreProcess's receiver thread, which turns
-them into RequestOutputs (detokenization, stop strings: the output processor) and posts them to their
-streams, one hop per event loop. A stop string found here aborts the core request. Nothing here waits
-for the engine: sends never block, and a slow consumer only lets its own stream's outputs pile up (they
-are merged, see RequestStream). One lock guards the output processor and the table of streams, which the
-event loops (add, abort) and the receiver thread (outputs) share. Every add gets a core id of its own
-(the user's id and a counter), so that outputs of an aborted request still on their way can never be
-credited to a later request that reuses its id. If the engine process dies, every unfinished request
-fails at once with EngineDeadError and the death callbacks run.
+``from_kwargs(model, engine_process=True)``): this process keeps the frontend and the core's process
+only runs the model, so the core's step loop never shares an interpreter (and its GIL) with HTTP, JSON
+and text work. Requests are validated and tokenized here (token ids: on the caller's event loop; text
+and structured-outputs constraints: on input threads, see _InputThreads) and sent to the core as
+EngineRequests; aborts go as core request ids. Each core step's new token ids arrive in one batch on the
+EngineCoreProcess's receiver thread, which turns them into RequestOutputs (detokenization, stop strings:
+the output processor) and posts them to their streams, one hop per event loop. A stop string found here
+aborts the core request. Nothing here waits for the engine: sends never block, and a slow consumer only
+lets its own stream's outputs pile up (they are merged, see RequestStream). One lock guards the output
+processor and the table of streams, which the event loops (add, abort) and the receiver thread (outputs)
+share. Every add gets a core id of its own (the user's id and a counter), so that outputs of an aborted
+request still on their way can never be credited to a later request that reuses its id. If the engine
+process dies, every unfinished request fails at once with EngineDeadError and the death callbacks run.
 
 Outputs come in each request's own output kind: a server streams DELTA outputs (only the new text and
 token ids) and asks FINAL_ONLY for whole responses, so per-step work is proportional to the new tokens.
@@ -426,10 +426,10 @@ class _EngineThread(_Driver):
         input_thread = self.input_threads.for_request(prompt, params)
         if input_thread is not None:
             # Beside the engine's steps rather than between them.
-            if self.dead is not None:
-                raise self.dead
             process = self._engine.input_processor.process
             try:
+                if self.dead is not None:
+                    raise self.dead
                 processed = await stream._loop.run_in_executor(
                     input_thread, process, request_id, prompt, params, arrival_time
                 )
