@@ -132,7 +132,7 @@ class EngineCore:
     def _take_compiled(self) -> list[EngineCoreOutput]:
         """Hands the compiled constraints to their requests; the outputs of those that failed. After a
         step that had nothing to run, waits a little for a compile (instead of spinning)."""
-        if not self._compiling and not self.structured_outputs.has_compiling():
+        if not self.structured_outputs.has_compiling():  # every key in self._compiling is there too
             return []
         # (Compiles of aborted requests are taken too: their matchers are released then.)
         timeout = IDLE_COMPILE_WAIT_S if self._ran_nothing else 0.0

@@ -35,14 +35,14 @@ place.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
-import queue
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_connections
 from typing import TYPE_CHECKING, Any
@@ -89,6 +89,18 @@ class CompiledGrammar:
     grammar: Any = None
     error: str | None = None
     invalid_input: bool = False
+
+
+def compile_outcome(key: int, compile_grammar: Callable[[], Any]) -> CompiledGrammar:
+    """What ``compile_grammar()`` gave for compile ``key``: its matcher, or its error (a ValueError is
+    the constraint's fault; anything else is logged)."""
+    try:
+        return CompiledGrammar(key, compile_grammar())
+    except ValueError as e:
+        return CompiledGrammar(key, error=str(e), invalid_input=True)
+    except Exception as e:  # noqa: BLE001 (the request fails alone; the engine goes on)
+        logger.exception("a constraint failed to compile")
+        return CompiledGrammar(key, error=f"{type(e).__name__}: {e}")
 
 
 class GrammarProcessExited(RuntimeError):
@@ -408,29 +420,19 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
     conn.send(("ready", eos_token_ids))
     grammars: dict[int, Any] = {}
     send_lock = threading.Lock()  # the loop and the compile thread both answer on the pipe
-    compiles: queue.SimpleQueue = queue.SimpleQueue()
+    compile_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar-compile")
 
     def send(message: Any) -> None:
         with send_lock:
             conn.send(message)
 
     def compile_and_answer(key: int, params: StructuredOutputsParams) -> None:
-        try:
-            grammars[key] = compiler.compile(params)
-        except Exception as e:  # noqa: BLE001 (the request's own fault: it fails alone)
-            invalid_input = isinstance(e, ValueError)
-            error = str(e) if invalid_input else f"{type(e).__name__}: {e}"
-            message: tuple = ("compiled", key, error, invalid_input)
-        else:
-            message = ("compiled", key, None, False)
+        outcome = compile_outcome(key, lambda: compiler.compile(params))
+        if outcome.error is None:
+            grammars[key] = outcome.grammar
         with contextlib.suppress(OSError):  # the engine has gone: the loop returns
-            send(message)
+            send(("compiled", key, outcome.error, outcome.invalid_input))
 
-    def compile_loop() -> None:
-        while True:
-            compile_and_answer(*compiles.get())
-
-    threading.Thread(target=compile_loop, name="nanoinfer-grammar-compile", daemon=True).start()
     lost = GrammarResult("structured_outputs: the request's grammar was lost (the grammar process restarted)")
     while True:
         try:
@@ -446,7 +448,7 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
                 # once, rather than behind a new schema's compile.
                 compile_and_answer(key, params)
             else:
-                compiles.put((key, params))
+                compile_thread.submit(compile_and_answer, key, params)
             continue
         _, _, keys, token_ids, eos_blocked, start, fills = message
         unusual = {}

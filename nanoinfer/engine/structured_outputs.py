@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanoinfer.config import EngineConfig
-from nanoinfer.engine.grammar_process import CompiledGrammar
+from nanoinfer.engine.grammar_process import CompiledGrammar, compile_outcome
 from nanoinfer.engine.request import engine_eos_token_ids
 from nanoinfer.structured.params import StructuredOutputsParams
 
@@ -187,17 +187,16 @@ class StructuredOutputManager:
             # A repeated constraint (the frontend's validation of this request compiled it, when the
             # frontend shares this manager) needs a matcher only: made here, taken by the next poll.
             done: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                done.set_result(self._compiler.compile(params))
-            except Exception as e:  # noqa: BLE001 (given to the poll, as the compile thread's)
-                done.set_exception(e)
+            done.set_result(compile_outcome(key, lambda: self._compiler.compile(params)))
             self._compiling[key] = done
         else:
             if self._compile_thread is None:
                 self._compile_thread = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="nanoinfer-grammar-compile"
                 )
-            self._compiling[key] = self._compile_thread.submit(lambda: self.compiler.compile(params))
+            self._compiling[key] = self._compile_thread.submit(
+                compile_outcome, key, lambda: self.compiler.compile(params)
+            )
         return key
 
     def has_compiling(self) -> bool:
@@ -215,19 +214,8 @@ class StructuredOutputManager:
             return []
         if timeout > 0 and not any(future.done() for future in self._compiling.values()):
             concurrent.futures.wait(self._compiling.values(), timeout, concurrent.futures.FIRST_COMPLETED)
-        done = []
-        for key, future in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[key]
-            try:
-                done.append(CompiledGrammar(key, future.result()))
-            except ValueError as e:  # the constraint's own fault
-                done.append(CompiledGrammar(key, error=str(e), invalid_input=True))
-            except Exception as e:  # noqa: BLE001 (the request fails alone; the engine goes on)
-                logger.exception("a constraint failed to compile")
-                done.append(CompiledGrammar(key, error=f"{type(e).__name__}: {e}"))
-        return done
+        done = [key for key, future in self._compiling.items() if future.done()]
+        return [self._compiling.pop(key).result() for key in done]
 
     def feed(self, feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
         """Each feed's result by row, fed now."""
