@@ -5,7 +5,8 @@ figures are the inter-token latency of a running request around each arrival, an
 request's wait from its arrival to its first token.
 
 The first arrival also pays what the engine builds once: the grammar compiler (llguidance's token trie,
-xgrammar's tokenizer info) or, with grammar processes, their start.
+xgrammar's tokenizer info) or, with grammar processes, what is left of their start (the core is built as
+the server builds it, so they start with the engine, beside the model's load).
 
     python3 benchmarks/structured_compile_stall.py [--model DIR --device cuda] [--grammar-processes 0 2]
         [--arrivals 6] [--steps-between 40] [--tokenizer-files DIR] [--result-file PATH]
@@ -74,13 +75,13 @@ def _model(scratch: str, tokenizer_files: str) -> str:
 
 def _run(model: str, device: str, num_grammar_processes: int, arrivals: int, steps_between: int) -> dict:
     from nanoinfer.config import EngineConfig
-    from nanoinfer.engine.core import EngineCore
+    from nanoinfer.engine.core_process import serving_core
     from nanoinfer.engine.request import EngineRequest
 
     config = EngineConfig(
         model=model, device=device, num_grammar_processes=num_grammar_processes, max_num_seqs=32
     )
-    core = EngineCore(config)
+    core = serving_core(config)
     try:
         num_steps = steps_between * (arrivals + 1)
         free = SamplingParams(temperature=0.8, max_tokens=num_steps + 50, ignore_eos=True)

@@ -51,9 +51,13 @@ class EngineCoreOutputs:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tokenizer: Any = None):
+    def __init__(self, config: EngineConfig, tokenizer: Any = None, *, start_grammar_processes: bool = False):
         """``tokenizer``: the frontend's, when it runs in the same process (structured outputs need
-        one; otherwise the core loads its own when the first constrained request arrives)."""
+        one; otherwise the core loads its own when the first constrained request arrives).
+        ``start_grammar_processes``: start the config's grammar processes now, beside the model's load,
+        instead of at the first constrained request (a server's engine: each process takes seconds to
+        start, which its first constrained requests would otherwise wait for). The processes import the
+        caller's main module, as every spawned process does."""
         from nanoinfer.executor.executor import create_executor  # imports the model code
 
         self.config = config
@@ -61,7 +65,17 @@ class EngineCore:
             # Here rather than in the frontend: the core may run in a process of its own.
             torch.set_num_threads(config.cpu_num_threads)
         started = time.perf_counter()
-        self.executor = create_executor(config)
+        self.structured_outputs = StructuredOutputManager(
+            config,
+            lambda: tokenizer if tokenizer is not None else load_tokenizer(config.model, config.tokenizer),
+        )
+        if start_grammar_processes:
+            self.structured_outputs.start_grammar_processes()
+        try:
+            self.executor = create_executor(config)
+        except BaseException:
+            self.structured_outputs.close()
+            raise
         self.num_kv_blocks = self.executor.num_kv_blocks
         self.kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.kvcache_block_size, config.enable_prefix_caching
@@ -70,10 +84,6 @@ class EngineCore:
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
         )
         self.async_scheduling = config.async_scheduling
-        self.structured_outputs = StructuredOutputManager(
-            config,
-            lambda: tokenizer if tokenizer is not None else load_tokenizer(config.model, config.tokenizer),
-        )
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # The bitmask of the in-flight step's constrained rows, filling in the grammar processes.
         self._pending_bitmask: tuple[SchedulerOutput, PendingBitmask] | None = None

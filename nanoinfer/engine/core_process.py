@@ -55,12 +55,17 @@ _UTILITIES: dict[str, Callable[..., Any]] = {
 }
 
 
+def serving_core(config: EngineConfig) -> EngineCore:
+    """The engine process's core: it serves requests as they come, so its grammar processes start with it."""
+    return EngineCore(config, start_grammar_processes=True)
+
+
 def run_engine_core(
     config: EngineConfig,
     input_address: str,
     output_address: str,
     parent_pid: int,
-    core_factory: Callable[[EngineConfig], EngineCore] = EngineCore,
+    core_factory: Callable[[EngineConfig], EngineCore] = serving_core,
 ) -> None:
     """Runs an engine core until shut down. ``input_address`` and ``output_address`` are the ZeroMQ
     endpoints the parent bound (PUSH to this process, PULL from it); ``parent_pid`` is the process whose

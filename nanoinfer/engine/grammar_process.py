@@ -287,12 +287,13 @@ class _GrammarProcess:
         compiles); raises RuntimeError when it could not start."""
         if not self.alive:
             return
-        if not self.ready and time.monotonic() - self._started > START_TIMEOUT_S:
-            self.close()
-            raise RuntimeError(f"the grammar process did not start within {START_TIMEOUT_S:.0f} s")
         with contextlib.suppress(GrammarProcessExited):
             while self.alive and self.connection.poll(0):
                 self._read()
+        # After the read: a process started with the engine may have been ready long before this poll.
+        if self.alive and not self.ready and time.monotonic() - self._started > START_TIMEOUT_S:
+            self.close()
+            raise RuntimeError(f"the grammar process did not start within {START_TIMEOUT_S:.0f} s")
 
     def send_step(self, feeds: list[GrammarFeed], start: int, keys: list[int]) -> None:
         message = (
@@ -324,6 +325,8 @@ class _GrammarProcess:
 
     def close(self) -> None:
         self.connection.close()  # the process exits at the end of its pipe
+        if not self.ready:
+            self._process.kill()  # still starting (it reads the pipe only once ready); it holds nothing
         self._process.join(timeout=5)
         if self._process.is_alive():
             self._process.kill()

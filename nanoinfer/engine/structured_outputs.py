@@ -122,7 +122,8 @@ class StructuredOutputManager:
     """Compiles constraints into matchers, feeds them and fills bitmasks. The grammar compiler
     (llguidance's token trie, and for JSON xgrammar's tokenizer info: together about a second and a
     half for a 150k vocabulary), or the grammar processes, are built by the first constrained request, so
-    that engines that never see one never pay for it (on the compile thread, or in the processes)."""
+    that engines that never see one never pay for it (on the compile thread, or in the processes). A
+    server's engine starts its grammar processes with itself instead (:meth:`start_grammar_processes`)."""
 
     def __init__(self, config: EngineConfig, tokenizer: Callable[[], Any]):
         self._config = config
@@ -168,6 +169,12 @@ class StructuredOutputManager:
         else:
             self._processes.restart_exited()
         return self._processes
+
+    def start_grammar_processes(self) -> None:
+        """Starts the grammar processes now (if the config has any) rather than at the first constrained
+        request; they start in the background."""
+        if self._config.num_grammar_processes:
+            self._grammar_processes()
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """ValueError naming the field when the constraint is invalid (compiled here, in this process,

@@ -250,13 +250,17 @@ class AsyncLLM:
     ) -> AsyncLLM:
         """``engine_process``: run the engine core in a process of its own (:meth:`with_engine_process`)
         rather than on a thread of this one."""
-        if engine_process:
-            from nanoinfer.config import EngineConfig
+        from nanoinfer.config import EngineConfig
 
+        if engine_process:
             return cls.with_engine_process(EngineConfig.from_kwargs(model, **engine_kwargs), stats_listener)
         from nanoinfer.frontend.llm_engine import LLMEngine
 
-        return cls(lambda: LLMEngine.from_kwargs(model, **engine_kwargs), stats_listener)
+        def engine() -> LLMEngine:
+            config = EngineConfig.from_kwargs(model, **engine_kwargs)
+            return LLMEngine(config, start_grammar_processes=True)
+
+        return cls(engine, stats_listener)
 
     @property
     def stats_listener(self) -> RequestStatsListener | None:

@@ -19,11 +19,13 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, start_grammar_processes: bool = False):
+        """``start_grammar_processes``: see EngineCore (AsyncLLM's engine, which serves requests as they
+        come, starts them with itself)."""
         self.config = config
         self.tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template_text)
         logger.info("%s", describe_generation_defaults(config))
-        self.engine_core = EngineCore(config, self.tokenizer)
+        self.engine_core = EngineCore(config, self.tokenizer, start_grammar_processes=start_grammar_processes)
         self.input_processor = InputProcessor(
             config, self.tokenizer, self.engine_core.num_kv_blocks, self.engine_core.structured_outputs
         )

@@ -647,6 +647,42 @@ def test_the_grammar_processes_start_and_compile_while_the_engine_steps(tiny_qwe
         llm.close()
 
 
+def test_a_servers_engine_starts_its_grammar_processes_with_itself(tiny_qwen3, monkeypatch):
+    """AsyncLLM's engine starts its grammar processes as it builds itself, so that its first constrained
+    request does not wait for them; a process ready long before the first poll is taken as ready (not as
+    one that failed to start in time), and one still starting is closed at once."""
+    from nanoinfer.config import EngineConfig
+    from nanoinfer.engine import grammar_process
+    from nanoinfer.frontend.llm_engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(tiny_qwen3, device="cpu", num_grammar_processes=1, max_num_seqs=4)
+    starting = LLMEngine(config, start_grammar_processes=True)
+    started = time.perf_counter()
+    starting.close()
+    assert time.perf_counter() - started < 4.0  # no wait for a process that does not read its pipe yet
+
+    engine = LLMEngine(config, start_grammar_processes=True)
+    try:
+        manager = engine.engine_core.structured_outputs
+        assert manager._processes is not None  # before any request
+        (process,) = manager._processes.processes
+        assert process.connection.poll(120)  # its ready message, unread: nothing has polled yet
+        monkeypatch.setattr(grammar_process, "START_TIMEOUT_S", 0.0)  # the request comes much later
+        constraint, check = CHECKS["regex"]
+        params = SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured_outputs=constraint)
+        engine.add_request("c", PROMPTS[0], params)
+        finished: dict = {}
+        _run_until(engine, finished, lambda: not engine.has_unfinished_requests())
+        completion = finished["c"].outputs[0]
+        assert completion.finish_reason in ("stop", "length"), completion
+        if completion.finish_reason == "stop":
+            check(completion.text)
+        stats = engine.stats()
+        assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+    finally:
+        engine.close()
+
+
 def test_compile_answers_between_a_steps_replies_are_kept_for_the_poll():
     """The engine reads a grammar process's pipe in order; a compile's answer read while it waits for a
     step's replies is kept for the next poll, and the step's replies are still its own."""
