@@ -11,7 +11,9 @@
 #   scripts/h200_run.sh structured_ab  the same with its host-phase profile, on an older tree and this one
 #   scripts/h200_run.sh structured_modes  the same with 1, 2 and 4 grammar processes
 #   scripts/h200_run.sh structured_stall  running requests' inter-token latency while constrained
-#                               requests with new schemas arrive (compiles off the engine loop)
+#                               requests with new schemas arrive (compiles off the engine loop), and
+#                               the grammar processes' start, phase by phase
+#   scripts/h200_run.sh decode_profile  Nsight Compute on the decode-attention kernel (FP8 and bf16 KV)
 #   scripts/h200_run.sh serve   the OpenAI server on the same checkpoint under a request-rate sweep
 #   scripts/h200_run.sh peer    transformers serve (continuous batching) and nanoinfer serve on the same
 #                               chat requests
@@ -122,11 +124,32 @@ structured_modes)
     ;;
 structured_stall)
     # What new schemas cost the requests already decoding: the engine core (as behind the server) with
-    # 4 grammar processes (the CUDA default) and with none.
+    # 4 grammar processes (the CUDA default) and with none; with OLD_TREE (as for ab), the old tree's core
+    # with 4 first. Then how long grammar processes take to start, phase by phase (1, then 4 at once).
     write_checkpoint
     with_real_tokenizer
+    [ -z "${OLD_TREE:-}" ] || (cd "$OLD_TREE" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+        timeout 150 python3 benchmarks/structured_compile_stall.py --model "$TOK_CKPT" --device cuda \
+        --grammar-processes 4 --steps-between 100 --result-file "$OUT/structured_stall_old.json")
     timeout 300 python3 benchmarks/structured_compile_stall.py --model "$TOK_CKPT" --device cuda \
         --grammar-processes 4 0 --steps-between 100 --result-file "$OUT/structured_stall.json"
+    timeout 120 python3 benchmarks/grammar_process_start.py --model "$TOK_CKPT" --processes 1 4 \
+        --result-file "$OUT/grammar_process_start.json"
+    ;;
+decode_profile)
+    # Nsight Compute on the default decode-attention call at 256 x 1024 (FP8 KV, then bf16): the full
+    # section set of the first timed launch as text, its report, and its per-instruction SASS table.
+    # ncu reads the counters on the H100 machines; under the H200's gVisor it may not.
+    for kv in ${DECODE_PROFILE_KV:-fp8 bf16}; do
+        timeout 60 python3 scripts/gpu_decode_profile.py --kv "$kv"
+        timeout 240 ncu --set full --import-source yes -k regex:_decode_kernel --launch-skip 5 --launch-count 1 \
+            -o "$OUT/decode_$kv" python3 scripts/gpu_decode_profile.py --kv "$kv" --calls 1 \
+            > "$OUT/ncu_decode_$kv.log" 2>&1
+        tail -3 "$OUT/ncu_decode_$kv.log"
+        ncu --import "$OUT/decode_$kv.ncu-rep" --page details > "$OUT/ncu_decode_$kv.txt" 2>&1
+        ncu --import "$OUT/decode_$kv.ncu-rep" --page source --csv --print-source sass \
+            > "$OUT/ncu_decode_${kv}_sass.csv" 2>&1
+    done
     ;;
 serve)
     # nanoinfer serve (engine core in its own process) under a request-rate sweep, the offline engine on
