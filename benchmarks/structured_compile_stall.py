@@ -45,6 +45,25 @@ RUNNING = 8  # unconstrained requests decoding throughout
 PROMPT_IDS = list(range(1000, 1032))
 
 
+def result_record(benchmark: str, **fields) -> dict:
+    """A result file's contents: what ran, when, on which commit and host, then ``fields``."""
+    return {
+        "benchmark": benchmark,
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "host": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "command": " ".join(sys.argv),
+        **fields,
+    }
+
+
+def write_result(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def _schema(i: int) -> dict:
     """structured_outputs.py's schema with a property of its own per arrival, so that no compile is a
     repeat."""
@@ -159,22 +178,15 @@ def main() -> int:
             f"{r['first_arrival_itl_ms']:>18} | {r['max_itl_ms_later']!s:>23} | "
             f"{r['first_arrival_ttft_ms']:>11} | {r['later_ttft_ms']}"
         )
-    result = {
-        "benchmark": "structured_compile_stall",
-        "date": datetime.date.today().isoformat(),
-        "commit": git_commit(),
-        "host": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "device": args.device,
-        "command": " ".join(sys.argv),
-        "running_requests": RUNNING,
-        "arrivals": args.arrivals,
-        "steps_between": args.steps_between,
-        "runs": runs,
-    }
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(result, f, indent=2)
+    result = result_record(
+        "structured_compile_stall",
+        device=args.device,
+        running_requests=RUNNING,
+        arrivals=args.arrivals,
+        steps_between=args.steps_between,
+        runs=runs,
+    )
+    write_result(args.result_file, result)
     return 0
 
 
