@@ -381,6 +381,20 @@ class _Driver:
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
         self.input_threads = _InputThreads()
 
+    async def _process_on(
+        self, input_thread: concurrent.futures.Executor, stream: RequestStream, process: Callable, *args: Any
+    ) -> ProcessedRequest:
+        """``process(*args)`` on ``input_thread``, awaited on the stream's event loop; the engine's death
+        where it has died (its input threads are shut down then)."""
+        if self.dead is not None:
+            raise self.dead
+        try:
+            return await stream._loop.run_in_executor(input_thread, process, *args)
+        except RuntimeError:  # the input thread is gone: shut down since the check above
+            if self.dead is not None:
+                raise self.dead from None
+            raise
+
     def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
         with self.lock:
             if self.dead is None:
@@ -432,15 +446,11 @@ class _EngineThread(_Driver):
             # Beside the engine's steps rather than between them.
             process = self._engine.input_processor.process
             try:
-                if self.dead is not None:
-                    raise self.dead
-                processed = await stream._loop.run_in_executor(
-                    input_thread, process, request_id, prompt, params, arrival_time
+                processed = await self._process_on(
+                    input_thread, stream, process, request_id, prompt, params, arrival_time
                 )
-            except BaseException as e:
+            except BaseException:
                 stream.finished = True
-                if isinstance(e, RuntimeError) and self.dead is not None:  # the input thread is gone
-                    raise self.dead from None
                 raise
         accepted = stream._loop.create_future()
         self._submit(_AddCommand(request_id, prompt, params, stream, accepted, arrival_time, processed))
@@ -645,12 +655,7 @@ class _EngineProcess(_Driver):
         args = (f"{request_id}@{next(self._core_ids)}", prompt, params, time.time())
         input_thread = self.input_threads.for_request(prompt, params)
         if input_thread is not None:
-            try:
-                request = await stream._loop.run_in_executor(input_thread, process, *args)
-            except RuntimeError:  # the input thread is gone: shut down since the check above
-                if self.dead is not None:
-                    raise self.dead from None
-                raise
+            request = await self._process_on(input_thread, stream, process, *args)
         else:
             request = process(*args)
         # The user's id for the outputs; the children (the core's requests) keep the unique one.
