@@ -10,8 +10,9 @@ the tokens to feed and the rows to fill, and the masks arrive in one shared-memo
 CUDA, so that its copy to the device is asynchronous). With several processes, grammar ``key`` lives in
 process ``key % n``, and the processes feed and fill their grammars at once.
 
-Nothing here makes the engine wait for a compile: a process starts (2-4 s: the tokenizer and the grammar
-compiler) while the engine keeps stepping, and compiles on a thread of its own (5-80 ms for a new JSON
+Nothing here makes the engine wait for a compile: a process starts (seconds: imports, the tokenizer
+and the grammar compiler; see benchmarks/grammar_process_start.py) while the engine keeps stepping, or,
+for a server, while the engine builds itself, and compiles on a thread of its own (5-80 ms for a new JSON
 schema at a 150k vocabulary; the grammar libraries release the GIL for most of it), so that the steps it
 serves meanwhile go on. The engine takes what has compiled with :meth:`GrammarProcesses.poll`.
 
@@ -58,8 +59,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# How long a process may take to load the tokenizer and build the grammar compiler (about 2-4 s for a
-# 150k vocabulary, most of it importing torch and transformers) before the engine gives up on it.
+# How long a process may take to import its modules, load the tokenizer and build the grammar compiler
+# (6 s alone on a 2-core box at a 150k vocabulary, 20 s for four at once on the H200's host) before the
+# engine gives up on it.
 START_TIMEOUT_S = 120.0
 # The process's GIL switch interval: its loop (feeding, filling) waits at most this long for the GIL
 # while the compile thread runs Python (the default, 5 ms, would add up to that to a step's fill).
