@@ -140,14 +140,67 @@ def _us_per_step(seconds: dict[str, float], calls: dict[str, int]) -> dict[str, 
     return per_step
 
 
+def _thread_cpu_ticks(pid: int | str) -> dict[str, int]:
+    """CPU clock ticks (user + system) of each thread of process ``pid`` so far, by "name/tid"
+    (Linux's /proc; empty elsewhere)."""
+    ticks: dict[str, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return ticks
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread has exited
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ticks[f"{name}/{tid}"] = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks
+
+
+def _grammar_process_pids(llm: LLM) -> list[int]:
+    processes = llm.llm_engine.engine_core.structured_outputs._processes
+    return [] if processes is None else [p._process.pid for p in processes.processes]
+
+
+def _cpu_seconds(before: dict, after: dict) -> dict:
+    """Per process label, from two snapshots of {label: _thread_cpu_ticks}: its CPU seconds, how many of
+    its threads ran, and its busiest threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for label, ticks in after.items():
+        start = before.get(label, {})
+        used = sorted(((n - start.get(t, 0)) / tick, t) for t, n in ticks.items())
+        used = [(s, t) for s, t in used if s > 0]
+        out[label] = {
+            "total": round(sum(s for s, _ in used), 3),
+            "threads_that_ran": len(used),
+            "busiest": {t: round(s, 3) for s, t in reversed(used[-4:])},
+        }
+    return out
+
+
 def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple[dict, list[int]]:
-    """The run's figures, and each request's output length."""
+    """The run's figures, and each request's output length. Where the host's cores went during the run
+    (CPU seconds of each thread of the engine's process and of each grammar process) is in
+    ``cpu_seconds``: a host-bound constrained step slows with whatever else runs on the host."""
     prompts = [PROMPT] * len(params)
     before = llm.llm_engine.stats()
+    pids = _grammar_process_pids(llm)
+
+    def snapshot() -> dict:
+        return {"engine": _thread_cpu_ticks("self")} | {
+            f"grammar process {i}": _thread_cpu_ticks(pid) for i, pid in enumerate(pids)
+        }
+
     with timed_calls(_phase_targets(llm) if profile else []) as (phase_seconds, phase_calls):
+        cpu_before = snapshot()
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
+        cpu_after = snapshot()
     phase_us = _us_per_step(phase_seconds, phase_calls) if profile else None
     after = llm.llm_engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -174,6 +227,7 @@ def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple
         # The engine thread's wait for the grammar processes' feeding and fill, beside its own work.
         "mask_wait_us_per_step": round(wait_us / mask_steps, 1) if mask_steps else None,
         **({"host_phase_us_per_step": phase_us} if phase_us is not None else {}),
+        "cpu_seconds": _cpu_seconds(cpu_before, cpu_after),
     }, [len(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -255,6 +309,13 @@ def main() -> int:
         for phase in names:
             row = [r["host_phase_us_per_step"].get(phase, 0.0) for r in results.values()]
             print(f"{phase:<28}" + "".join(f"{value:>16.1f}" for value in row))
+    print("CPU seconds during each run (process: total; its busiest threads)")
+    for name, r in results.items():
+        for label, cpu in r["cpu_seconds"].items():
+            print(
+                f"  {name:<14} {label:<18} {cpu['total']:>7.2f} s in {cpu['threads_that_ran']:>3} threads; "
+                + ", ".join(f"{thread} {s:.2f}" for thread, s in cpu["busiest"].items())
+            )
     print(f"throughput ratio (json_schema / unconstrained): {ratio:.3f}")
     print(f"throughput ratio (json_schema / length_matched): {matched_ratio:.3f}")
     if args.result_file:

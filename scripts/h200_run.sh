@@ -112,14 +112,14 @@ structured_ab)
 structured_modes)
     # The structured-outputs benchmark (with its host-phase profile) for each count of grammar processes
     # in GRAMMAR_PROCESSES (default 1 2 4; a count may repeat, e.g. "4 2 4 2": each pass has its own
-    # JSON, numbered in order), in the same run.
+    # JSON, numbered in order), in the same run; STRUCTURED_ARGS: engine options for every pass.
     write_checkpoint
     with_real_tokenizer
     pass=0
     for n in ${GRAMMAR_PROCESSES:-1 2 4}; do
         pass=$((pass + 1))
         timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
-            --num-grammar-processes "$n" --result-file "$OUT/structured_pass${pass}_processes$n.json"
+            --num-grammar-processes "$n" ${STRUCTURED_ARGS:-} --result-file "$OUT/structured_pass${pass}_processes$n.json"
     done
     ;;
 structured_stall)
@@ -139,10 +139,11 @@ structured_stall)
 decode_profile)
     # Nsight Compute on the default decode-attention call at 256 x 1024 (FP8 KV, then bf16): the full
     # section set of the first timed launch as text, its report, and its per-instruction SASS table.
-    # ncu reads the counters on the H100 machines; under the H200's gVisor it may not.
+    # ncu reads the counters on Firecracker machines (KINDS.md); the clocks are left as they are.
+    command -v ncu > /dev/null || PATH=$PATH:$(dirname "$(ls -d /opt/nvidia/nsight-compute/*/ncu | tail -1)")
     for kv in ${DECODE_PROFILE_KV:-fp8 bf16}; do
         timeout 60 python3 scripts/gpu_decode_profile.py --kv "$kv"
-        timeout 240 ncu --set full --import-source yes -k regex:_decode_kernel --launch-skip 5 --launch-count 1 \
+        timeout 240 ncu --clock-control none --set full --import-source yes -k regex:_decode_kernel --launch-skip 5 --launch-count 1 \
             -o "$OUT/decode_$kv" python3 scripts/gpu_decode_profile.py --kv "$kv" --calls 1 \
             > "$OUT/ncu_decode_$kv.log" 2>&1
         tail -3 "$OUT/ncu_decode_$kv.log"
