@@ -100,14 +100,16 @@ structured)
     ;;
 structured_ab)
     # The structured-outputs benchmark (with its host-phase profile) on an older tree (as for ab) and on
-    # this one, in the same run.
+    # this one, in the same run, alternating AB_ROUNDS times (default 1), the old tree first.
     write_checkpoint
     with_real_tokenizer
-    (cd "${OLD_TREE:-.old_tree}" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+    for round in $(seq "${AB_ROUNDS:-1}"); do
+        (cd "${OLD_TREE:-.old_tree}" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+            timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
+            --result-file "$OUT/structured_old_round$round.json")
         timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
-        --result-file "$OUT/structured_old.json")
-    timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
-        --result-file "$OUT/structured_new.json"
+            --result-file "$OUT/structured_new_round$round.json"
+    done
     ;;
 structured_modes)
     # The structured-outputs benchmark (with its host-phase profile) for each count of grammar processes
