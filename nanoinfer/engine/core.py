@@ -10,7 +10,8 @@ sampling deferred; once step n's tokens are on the host (taken just after that l
 processes feed them to the grammars and fill step n+1's bitmask while the device runs step n+1's forward
 pass. The next call schedules step n+2 and copies its inputs to the device meanwhile, then takes the
 bitmask and launches step n+1's sampling and, right after it, step n+2 (see
-engine/structured_outputs.py).
+engine/structured_outputs.py). Step n's outputs take its constrained tokens as accepted; the grammars'
+answers are checked at the next call.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from nanoinfer.config import EngineConfig
 from nanoinfer.engine.kv_cache_manager import KVCacheManager
 from nanoinfer.engine.request import EngineRequest
 from nanoinfer.engine.scheduler import EngineCoreOutput, RunnerOutput, Scheduler, SchedulerOutput
-from nanoinfer.engine.structured_outputs import GrammarBitmask, PendingBitmask, StructuredOutputManager
+from nanoinfer.engine.structured_outputs import (
+    ACCEPTED,
+    GrammarBitmask,
+    PendingBitmask,
+    StructuredOutputManager,
+)
 from nanoinfer.executor.model_runner import StepHandle
 from nanoinfer.models.checkpoint import load_tokenizer
 
@@ -87,6 +93,9 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # The bitmask of the in-flight step's constrained rows, filling in the grammar processes.
         self._pending_bitmask: tuple[SchedulerOutput, PendingBitmask] | None = None
+        # A step whose constrained rows' tokens were applied before their grammars answered (the feeding
+        # of that pending exchange), checked at the next call.
+        self._unchecked: tuple[SchedulerOutput, PendingBitmask] | None = None
         self._compiling: dict[int, str] = {}  # the request of each constraint compiling, by compile key
         self._ran_nothing = False  # the last step had nothing to launch and none in flight
         self.num_prompt_tokens_computed = 0
@@ -133,11 +142,27 @@ class EngineCore:
         """Runs one step. Without async scheduling: schedule, run, return its outputs. With it: launch
         the next step, then return the outputs of the one launched by the previous call. Requests whose
         constraints failed to compile end in the outputs too."""
-        failed = self._take_compiled()
+        failed = self._check_fed() + self._take_compiled()
         outputs = self._step()
         if failed:
             outputs.outputs[:0] = failed
         return outputs
+
+    def _check_fed(self) -> list[EngineCoreOutput]:
+        """The outputs of the requests that the previous call's grammar answers end: those answers came
+        after their tokens were applied, which is how a constrained step's outputs leave the engine
+        without waiting for the grammars (the answers are back by now, after the outputs were made)."""
+        if self._unchecked is None:
+            return []
+        out, pending = self._unchecked
+        self._unchecked = None
+        ended = []
+        for row_index, result in pending.wait_advanced().items():
+            if result.error is not None or result.blocks_eos:
+                output = self.scheduler.apply_late_grammar_result(out, row_index, result)
+                if output is not None:
+                    ended.append(output)
+        return ended
 
     def _take_compiled(self) -> list[EngineCoreOutput]:
         """Hands the compiled constraints to their requests; the outputs of those that failed. After a
@@ -205,7 +230,13 @@ class EngineCore:
         if previous is None:
             return EngineCoreOutputs()
         if fed:
-            previous[0].grammar_results = self._pending_bitmask[1].wait_advanced()
+            # The previous step's outputs are made now, its constrained tokens taken as accepted: the
+            # grammars accept nearly every token (their masks allowed it), so the outputs do not wait for
+            # the feeding; the next call checks its answers (_check_fed) and ends the requests of the rare
+            # refusal (a token that the request's other restrictions forced on it, a grammar library's
+            # failure) or of a grammar that allows only an EOS the request cannot sample.
+            previous[0].grammar_results = dict.fromkeys((feed.row for feed in feeds), ACCEPTED)
+            self._unchecked = (previous[0], self._pending_bitmask[1])
         return self._finish_step(*previous, previous_result)
 
     def _grammars(self, out: SchedulerOutput) -> list[tuple[int, Grammar | RemoteGrammar]]:
@@ -260,6 +291,7 @@ class EngineCore:
         """Stops the executor (and its tensor-parallel workers); the core is unusable afterwards."""
         self._in_flight = None
         self._pending_bitmask = None
+        self._unchecked = None
         self.structured_outputs.close()
         if self.executor is not None:
             self.executor.close()

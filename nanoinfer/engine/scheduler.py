@@ -403,9 +403,7 @@ class Scheduler:
         if request.allowed_token_set is not None and token_id not in request.allowed_token_set:
             return self._fail(request, NO_TOKEN_ALLOWED, invalid_input=True)
         if grammar_result is not None and grammar_result.error is not None:
-            if not grammar_result.invalid_input and request.params.bad_words:
-                return self._fail(request, NO_TOKEN_ALLOWED, invalid_input=True)
-            return self._fail(request, grammar_result.error, grammar_result.invalid_input)
+            return self._refused(request, grammar_result)
         request.append_token(token_id)
         if output is None:
             output = EngineCoreOutput(request.request_id, [token_id])
@@ -426,6 +424,29 @@ class Scheduler:
             output.stop_reason = request.stop_reason
             self._finish(request, reason)
         return output
+
+    def apply_late_grammar_result(
+        self, out: SchedulerOutput, row_index: int, result: GrammarResult
+    ) -> EngineCoreOutput | None:
+        """A constrained row's grammar answer that came after its token was applied as accepted (see
+        ``EngineCore._check_fed``): a refusal fails the request, a grammar that allows only the EOS the
+        request cannot sample ends it (an output with no new token). None: nothing to do, or the request
+        has ended meanwhile."""
+        request = self.requests.get(out.scheduled[row_index].request_id)
+        if request is None:
+            return None
+        if result.error is not None:
+            return self._refused(request, result)
+        if result.blocks_eos:
+            self._finish(request, "stop")
+            return EngineCoreOutput(request.request_id, [], finish_reason="stop")
+        return None
+
+    def _refused(self, request: Request, result: GrammarResult) -> EngineCoreOutput:
+        """Fails a request whose grammar refused its token (see GrammarResult)."""
+        if not result.invalid_input and request.params.bad_words:
+            return self._fail(request, NO_TOKEN_ALLOWED, invalid_input=True)
+        return self._fail(request, result.error, result.invalid_input)
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
         params = request.params

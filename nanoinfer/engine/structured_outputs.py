@@ -6,8 +6,9 @@ with its sampling deferred. With async scheduling one call of the core (``Engine
 and prepares step n+1, takes step n's bitmask and launches step n's sampling, and waits for step n's
 tokens; then step n's tokens are fed to the grammars (``Scheduler.grammar_feeds`` says what to feed,
 ``feed_grammar`` feeds one) and step n+1's bitmask is filled, while the core launches step n+1's
-forward pass and makes step n's outputs. Step n's outputs wait only for the feeding
-(:meth:`PendingBitmask.wait_advanced`); the bitmask is taken when step n+1 samples.
+forward pass and makes step n's outputs. Those take step n's constrained tokens as accepted, without
+waiting for the feeding: the core's next call checks its answers (:meth:`PendingBitmask.wait_advanced`)
+and ends the requests that one ends; the bitmask is taken when step n+1 samples.
 
 Where the grammars run: on CUDA in processes of their own (``EngineConfig.num_grammar_processes``, see
 engine/grammar_process.py), beside the engine's thread and without sharing its GIL; on the CPU on the

@@ -454,6 +454,60 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
         llm.close()
 
 
+def test_a_constrained_steps_outputs_do_not_wait_for_its_grammars_answers(tiny_qwen3, monkeypatch):
+    """With async scheduling a step's constrained tokens are applied (its outputs made) before the
+    feeding of those tokens to their grammars is waited for; the answers are checked at the next call,
+    which ends a request whose grammar allows only an EOS it cannot sample (ignore_eos) then."""
+    from nanoinfer.engine.scheduler import Scheduler
+    from nanoinfer.engine.structured_outputs import PendingBitmask, StructuredOutputManager
+
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, num_grammar_processes=0, max_num_seqs=8)
+    try:
+        core = llm.llm_engine.engine_core
+        fed: dict[int, list] = {}  # per pending exchange: (request, its tokens when the feeding started)
+        applied_first, waited_first, late = [], [], []
+        start_bitmask = StructuredOutputManager.start_bitmask
+
+        def recorded_start(self, grammars, feeds):
+            pending = start_bitmask(self, grammars, feeds)
+            requests = {id(r.grammar): r for r in core.scheduler.requests.values() if r.grammar is not None}
+            fed[id(pending)] = [(requests[id(f.grammar)], requests[id(f.grammar)].num_tokens) for f in feeds]
+            return pending
+
+        wait_advanced = PendingBitmask.wait_advanced
+
+        def recorded_wait(self):
+            for request, num_tokens in fed.pop(id(self), ()):
+                (applied_first if request.num_tokens == num_tokens + 1 else waited_first).append(request)
+            return wait_advanced(self)
+
+        apply_late = Scheduler.apply_late_grammar_result
+
+        def recorded_late(self, out, row_index, result):
+            output = apply_late(self, out, row_index, result)
+            late.append(output)
+            return output
+
+        monkeypatch.setattr(StructuredOutputManager, "start_bitmask", recorded_start)
+        monkeypatch.setattr(PendingBitmask, "wait_advanced", recorded_wait)
+        monkeypatch.setattr(Scheduler, "apply_late_grammar_result", recorded_late)
+        prompts, params = _seeded_mixed_batch()
+        choice = StructuredOutputsParams(choice=["yes", "no"])
+        params.append(
+            SamplingParams(temperature=1.0, seed=1, max_tokens=50, ignore_eos=True, structured_outputs=choice)
+        )
+        outputs = llm.generate([*prompts, "question"], params, use_tqdm=False)
+        assert waited_first == [] and len(applied_first) >= 20
+        ended = outputs[-1].outputs[0]
+        assert ended.text in ("yes", "no") and ended.finish_reason == "stop"
+        assert [(o.request_id, o.finish_reason) for o in late if o is not None] == [
+            (outputs[-1].request_id, "stop")
+        ]
+        _no_leak(llm)
+    finally:
+        llm.close()
+
+
 def _token_ids(
     model: str, prompts: list[str], params: list[SamplingParams], **engine_kwargs
 ) -> list[list[int]]:
