@@ -140,23 +140,28 @@ def _us_per_step(seconds: dict[str, float], calls: dict[str, int]) -> dict[str, 
     return per_step
 
 
+def _stat_ticks(path: str) -> tuple[str, int]:
+    """(name, user + system clock ticks) of a /proc stat file."""
+    with open(path) as f:
+        stat = f.read()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return stat[stat.index("(") + 1 : stat.rindex(")")], int(fields[11]) + int(fields[12])
+
+
 def _thread_cpu_ticks(pid: int | str) -> dict[str, int]:
-    """CPU clock ticks (user + system) of each thread of process ``pid`` so far, by "name/tid"
-    (Linux's /proc; empty elsewhere)."""
-    ticks: dict[str, int] = {}
+    """CPU clock ticks (user + system) of process ``pid`` so far (under "process": its threads that have
+    exited included) and of each of its live threads, by "name/tid" (Linux's /proc; empty elsewhere)."""
     try:
+        ticks = {"process": _stat_ticks(f"/proc/{pid}/stat")[1]}
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return ticks
+        return {}
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
+            name, n = _stat_ticks(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue  # the thread has exited
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        ticks[f"{name}/{tid}"] = int(fields[11]) + int(fields[12])  # utime, stime
+        ticks[f"{name}/{tid}"] = n
     return ticks
 
 
@@ -167,16 +172,17 @@ def _grammar_process_pids(llm: LLM) -> list[int]:
 
 def _cpu_seconds(before: dict, after: dict) -> dict:
     """Per process label, from two snapshots of {label: _thread_cpu_ticks}: its CPU seconds, how many of
-    its threads ran, and its busiest threads."""
+    its live threads ran, and its busiest ones."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for label, ticks in after.items():
         start = before.get(label, {})
-        used = sorted(((n - start.get(t, 0)) / tick, t) for t, n in ticks.items())
+        used = sorted(((n - start.get(t, 0)) / tick, t) for t, n in ticks.items() if t != "process")
         used = [(s, t) for s, t in used if s > 0]
         out[label] = {
-            "total": round(sum(s for s, _ in used), 3),
-            "threads_that_ran": len(used),
+            # Threads that ran and exited within the run (a library's per-call threads) count here only.
+            "total": round((ticks.get("process", 0) - start.get("process", 0)) / tick, 3),
+            "live_threads_that_ran": len(used),
             "busiest": {t: round(s, 3) for s, t in reversed(used[-4:])},
         }
     return out
@@ -313,7 +319,8 @@ def main() -> int:
     for name, r in results.items():
         for label, cpu in r["cpu_seconds"].items():
             print(
-                f"  {name:<14} {label:<18} {cpu['total']:>7.2f} s in {cpu['threads_that_ran']:>3} threads; "
+                f"  {name:<14} {label:<18} {cpu['total']:>7.2f} s; "
+                f"{cpu['live_threads_that_ran']:>3} live threads ran, busiest: "
                 + ", ".join(f"{thread} {s:.2f}" for thread, s in cpu["busiest"].items())
             )
     print(f"throughput ratio (json_schema / unconstrained): {ratio:.3f}")

@@ -128,10 +128,8 @@ class GrammarProcesses:
             self._pinned = int(status) == 0
             if not self._pinned:
                 logger.warning("the grammar bitmask could not be pinned (%s): its copies will wait", status)
-        # The grammar compiler's threads of each process, a share of the host's cores. Each process fills
-        # its masks on its loop's thread alone: the processes fill at once, and a fill pool in each (three
-        # threads for four processes on 16 cores) made 16 rows take 682 us against about 370 for one
-        # thread's (H200 host, run 67 against run 18's figures).
+        # The grammar libraries' threads (the batched fill's, the compiler's) of each process: the
+        # processes fill at once, so they share the host's cores instead of each taking most of them.
         self._num_threads = max(1, default_num_threads() // num_processes)
         self.processes = [self._start() for _ in range(num_processes)]
         # The compiles that processes which have since exited were running, answered as failed.
@@ -419,7 +417,7 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
         tokenizer = load_tokenizer(config.model, config.tokenizer)
         eos_token_ids = engine_eos_token_ids(config, tokenizer)
         compiler = GrammarCompiler(
-            tokenizer, config.hf_config.vocab_size, eos_token_ids, num_threads=num_threads, fill_threads=1
+            tokenizer, config.hf_config.vocab_size, eos_token_ids, num_threads=num_threads
         )
     except Exception as e:  # noqa: BLE001 (reported to the engine, which raises it)
         conn.send(("failed", f"{type(e).__name__}: {e}"))

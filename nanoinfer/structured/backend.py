@@ -308,11 +308,6 @@ class GrammarCompiler:
 
     Building it takes up to about a second for a 150k vocabulary (llguidance's token trie); do it once
     per engine. xgrammar's tokenizer info (about 0.3 s more) is built by the first JSON schema.
-
-    ``num_threads``: the grammar libraries' threads (compiles, and batched mask fills), default 80% of the
-    cores up to 32. ``fill_threads=1`` fills the masks of :meth:`fill_bitmasks` on the calling thread, a
-    row after another, with no thread pool: where several grammar processes fill at once, each with a
-    pool of its own, the pools' threads outnumber the cores (see engine/grammar_process.py).
     """
 
     def __init__(
@@ -322,7 +317,6 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int] | None = None,
         num_threads: int | None = None,
         backend: str = "auto",
-        fill_threads: int | None = None,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -354,12 +348,7 @@ class GrammarCompiler:
         )
         self.special_tokens = frozenset(added[token_id].content for token_id in self._special_token_ids)
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
-        if fill_threads is not None and (
-            isinstance(fill_threads, bool) or not isinstance(fill_threads, int) or fill_threads < 1
-        ):
-            raise ValueError(f"fill_threads must be a positive integer or None, got {fill_threads!r}")
         self._num_threads = num_threads
-        self._fill_threads = fill_threads
         self._executor: llguidance.LLExecutor | None = None
         self._xgrammar: XGrammarCompiler | None = None
         self._xgrammar_lock = threading.Lock()
@@ -481,7 +470,6 @@ class GrammarCompiler:
                         self.eos_token_ids,
                         special_token_ids=self._special_token_ids,
                         num_threads=self._num_threads,
-                        fill_threads=self._fill_threads,
                         tokenize=self._tokenizer.tokenize_str,
                     )
                 except Exception as e:  # noqa: BLE001 (not installed, or not working as expected)
@@ -515,8 +503,7 @@ class GrammarCompiler:
     def fill_bitmasks(self, grammars: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
         """``fill_bitmask`` of many (grammar, row) pairs at once: llguidance's rows in parallel on its
         threads (``num_threads``, default 80% of the cores up to 32), then xgrammar's on its threads (as
-        many), or every row on this thread (``fill_threads=1``); a ``ReasoningGate``'s row as its state
-        says. Rows not listed are left as they are."""
+        many); a ``ReasoningGate``'s row as its state says. Rows not listed are left as they are."""
         words = bitmask_words(self.vocab_size)
         check_bitmask(bitmask, words)
         rows = [row for _, row in grammars]
@@ -543,13 +530,8 @@ class GrammarCompiler:
             self._xgrammar.fill_bitmasks(theirs, bitmask)
         if not ours:
             return
-        if self._fill_threads == 1:
-            for grammar, row in ours:
-                grammar._matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), words * 4)
-                grammar._after_fill(bitmask, row)
-            return
         if self._executor is None:
-            self._executor = llguidance.LLExecutor(num_threads=self._fill_threads or self._num_threads)
+            self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
         self._executor.unsafe_compute_mask_ptr(
             [(g._matcher, row) for g, row in ours], bitmask.data_ptr(), words * 4, bitmask.shape[0]
         )

@@ -393,7 +393,6 @@ class XGrammarCompiler:
         special_token_ids: Iterable[int] = (),
         num_threads: int | None = None,
         tokenize: Callable[[str], list[int]] | None = None,
-        fill_threads: int | None = None,
     ):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -424,7 +423,7 @@ class XGrammarCompiler:
             cache_enabled=True,
             cache_limit_bytes=XGRAMMAR_CACHE_LIMIT_BYTES,
         )
-        self.num_fill_threads = fill_threads or min(MAX_FILL_THREADS, self.num_threads)
+        self.num_fill_threads = min(MAX_FILL_THREADS, self.num_threads)
         self._batch: xgrammar.BatchGrammarMatcher | None = None
         # A text's tokens as the tokenizer writes them; None: no forced tokens (see canonical_forced_token).
         self._tokenize = tokenize
@@ -520,13 +519,10 @@ class XGrammarCompiler:
                 words[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
     def fill_bitmasks(self, grammars: Sequence[tuple[XGrammarGrammar, int]], bitmask: torch.Tensor) -> None:
-        """Fills the rows of ``grammars`` (checked by the caller) on xgrammar's threads, or with one fill
-        thread on this one, a row after another (16 rows of the engine benchmark's schema at Qwen3's
-        vocabulary, 2-core box: 259 us, against 330 through a batch of one thread)."""
+        """Fills the rows of ``grammars`` (checked by the caller) on xgrammar's threads."""
         live = [(g, row) for g, row in grammars if not g._stopped and g._error is None]
-        if len(live) == 1 or self.num_fill_threads == 1:
-            for grammar, row in live:
-                grammar._fill(bitmask, row)
+        if len(live) == 1:
+            live[0][0]._fill(bitmask, live[0][1])
         elif live:
             if self._batch is None:
                 self._batch = xgrammar.BatchGrammarMatcher(max_threads=self.num_fill_threads)

@@ -223,11 +223,8 @@ def test_rejected_token_leaves_the_state_unchanged(tiny_json):
     assert grammar.num_accepted == len(tokens)
 
 
-@pytest.mark.parametrize("fill_threads", [None, 1])
-def test_fill_bitmasks_in_parallel_equals_one_by_one(tiny_json, fill_threads):
+def test_fill_bitmasks_in_parallel_equals_one_by_one(tiny_json):
     tokenizer, compiler = tiny_json
-    if fill_threads is not None:
-        compiler = GrammarCompiler(tokenizer, TINY_VOCAB, backend=compiler.backend, fill_threads=fill_threads)
     tokens = tokenizer.encode(VALID_TEXT, add_special_tokens=False)
     grammars = []
     for n in range(0, len(tokens), 5):
@@ -297,9 +294,6 @@ def test_compiler_arguments_are_checked(tiny):
         GrammarCompiler(tokenizer, 100)
     with pytest.raises(ValueError, match="eos_token_ids"):
         GrammarCompiler(tokenizer, TINY_VOCAB, eos_token_ids=[TINY_VOCAB])
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="fill_threads"):
-            GrammarCompiler(tokenizer, TINY_VOCAB, fill_threads=bad)
 
 
 @pytest.mark.parametrize(

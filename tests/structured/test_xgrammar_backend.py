@@ -231,12 +231,8 @@ def test_end_of_output_as_llguidance(tiny_compilers, schema, text):
         assert grammar.num_accepted == len(tokens) + 3
 
 
-@pytest.mark.parametrize("fill_threads", [None, 1])
-def test_fill_bitmasks_of_both_kinds_at_once(tiny, fill_threads):
-    """On the libraries' threads, and on the calling thread alone (a grammar process's fills)."""
+def test_fill_bitmasks_of_both_kinds_at_once(tiny):
     tokenizer, compiler = tiny
-    if fill_threads is not None:
-        compiler = GrammarCompiler(tokenizer, TINY_VOCAB, fill_threads=fill_threads)
     tokens = tokenizer.encode(VALID_TEXT, add_special_tokens=False)
     grammars = []
     for n in (0, 7, 20, len(tokens)):
