@@ -26,7 +26,6 @@ Usage: python3 scripts/gpu_kernels.py [--quick] [--only SECTION ...] [--compile-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import json
 import math
@@ -514,11 +513,6 @@ def balanced_decode_configs() -> dict:
                 configs[f"balanced_{tile}_t{target}_m{floor}"] = K.attn.DecodeConfig(
                     mode="balanced", target_programs_per_sm=target, min_splits=floor, **spec
                 )
-    # FP8's default with tiles addressed per cache block and the lazy rescale (apart and together).
-    fp8 = K.attn.FP8_BALANCED_DECODE
-    configs["fp8_default_block_tiles"] = dataclasses.replace(fp8, block_tiles=True)
-    configs["fp8_default_lazy_rescale"] = dataclasses.replace(fp8, lazy_rescale=True)
-    configs["fp8_default_block_tiles_lazy"] = dataclasses.replace(fp8, block_tiles=True, lazy_rescale=True)
     return configs
 
 

@@ -53,10 +53,7 @@ class DecodeConfig:
     others). The grid's split count aims at ``target_programs_per_sm`` programs per SM, at most
     ``max_splits``; in balanced mode at least ``min_splits``, however full the grid. ``max_registers``:
     a cap on the registers per thread (ptxas spills the rest), so that more programs fit on a
-    multiprocessor (CUDA only; None: the compiler's choice). ``block_tiles``: where a key tile lies in
-    one cache block (``block_n`` <= the cache's block size), address it by one block-table entry and
-    mask only the last tile. ``lazy_rescale``: rescale the output accumulator only at the tiles where a
-    row's running max grows.
+    multiprocessor (CUDA only; None: the compiler's choice).
     """
 
     mode: str = "fused"
@@ -68,8 +65,6 @@ class DecodeConfig:
     max_splits: int = 64
     min_splits: int = 1
     max_registers: int | None = None
-    block_tiles: bool = False
-    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -336,38 +331,6 @@ def store_kvcache(
 
 
 @triton.jit
-def _decode_tile(
-    q, k_ptrs, v_ptrs, token_mask, acc, m_i, l_i, qk_scale, MASKED: tl.constexpr, LAZY_RESCALE: tl.constexpr
-):
-    """One key tile of the online softmax (scores in log2 units); ``token_mask`` [BLOCK_N] is read only
-    when ``MASKED``. ``LAZY_RESCALE``: the accumulator is rescaled only when a row's running max grew
-    (after the first tiles it rarely does; with a GQA group padded to a 16-row tile, the rescale is a
-    multiply of 16 x HEAD_DIM floats for two real rows)."""
-    if MASKED:
-        k = tl.load(k_ptrs, mask=token_mask[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=token_mask[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    scores = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-    if MASKED:
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    p = tl.exp2(scores - m_new[:, None])
-    pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-    if LAZY_RESCALE:
-        if tl.max(m_new - m_i, axis=0) > 0.0:
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-    else:
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-    return acc + pv, m_new, l_i + tl.sum(p, axis=1)
-
-
-@triton.jit
 def _decode_range(
     q,
     k_head,
@@ -384,58 +347,37 @@ def _decode_range(
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):
     """Online softmax of the query rows ``q`` [BLOCK_G, D] over keys [start, end): (acc, m, l) with
-    scores in log2 units. An empty range gives l == 0. ``start`` is a multiple of BLOCK_N.
-
-    ``TILE_IN_BLOCK`` (BLOCK_N <= BLOCK_SIZE: a tile lies in one cache block): each tile's address is
-    one block-table entry and a scalar offset added to loop-invariant offsets, and only the last tile
-    is masked, instead of a table entry, an address and a mask per key (an FP8 decode tile of 16 keys
-    spent most of its instructions on those: Nsight Compute, docs/benchmarks.md)."""
+    scores in log2 units. An empty range gives l == 0."""
     dims = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    keys = tl.arange(0, BLOCK_N)
     # Every tile visited holds at least one valid key, so m_i is finite after the first tile.
-    if TILE_IN_BLOCK:
-        k_offsets = keys[:, None] * stride_kcs + dims[None, :]
-        v_offsets = keys[:, None] * stride_vcs + dims[None, :]
-        # (A split past the end of its sequence has end < start: no tile.)
-        stop = tl.maximum(end, start)
-        full_end = start + (stop - start) // BLOCK_N * BLOCK_N
-        for tile_start in range(start, full_end, BLOCK_N):
-            block_id = tl.load(table_row + tile_start // BLOCK_SIZE).to(tl.int64)
-            slot = tile_start % BLOCK_SIZE
-            acc, m_i, l_i = _decode_tile(
-                q,
-                k_head + (block_id * stride_kcb + slot * stride_kcs) + k_offsets,
-                v_head + (block_id * stride_vcb + slot * stride_vcs) + v_offsets,
-                keys, acc, m_i, l_i, qk_scale, False, LAZY_RESCALE,
-            )  # fmt: skip
-        if full_end < stop:
-            block_id = tl.load(table_row + full_end // BLOCK_SIZE).to(tl.int64)
-            slot = full_end % BLOCK_SIZE
-            acc, m_i, l_i = _decode_tile(
-                q,
-                k_head + (block_id * stride_kcb + slot * stride_kcs) + k_offsets,
-                v_head + (block_id * stride_vcb + slot * stride_vcs) + v_offsets,
-                full_end + keys < end, acc, m_i, l_i, qk_scale, True, LAZY_RESCALE,
-            )  # fmt: skip
-    else:
-        for tile_start in range(start, end, BLOCK_N):
-            tokens = tile_start + keys
-            token_mask = tokens < end
-            block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-            offsets = tokens % BLOCK_SIZE
-            acc, m_i, l_i = _decode_tile(
-                q,
-                k_head + (block_ids * stride_kcb + offsets * stride_kcs)[:, None] + dims[None, :],
-                v_head + (block_ids * stride_vcb + offsets * stride_vcs)[:, None] + dims[None, :],
-                token_mask, acc, m_i, l_i, qk_scale, True, LAZY_RESCALE,
-            )  # fmt: skip
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+        offsets = tokens % BLOCK_SIZE
+        k = tl.load(
+            k_head + (block_ids * stride_kcb + offsets * stride_kcs)[:, None] + dims[None, :],
+            mask=token_mask[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_head + (block_ids * stride_vcb + offsets * stride_vcs)[:, None] + dims[None, :],
+            mask=token_mask[:, None],
+            other=0.0,
+        )
+        scores = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -546,8 +488,6 @@ def _decode_kernel(
     BLOCK_S: tl.constexpr,
     MODE: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -606,8 +546,6 @@ def _decode_kernel(
             HEAD_DIM,
             BLOCK_G,
             BLOCK_N,
-            TILE_IN_BLOCK,
-            LAZY_RESCALE,
         )
         # Empty ranges (seq_len 0, or a split past the end) give l_i == 0: output 0, lse -inf.
         has_keys = l_i > 0.0
@@ -893,8 +831,6 @@ def _launch_decode(
         BLOCK_S=block_s,
         MODE=mode,
         MIN_SPLIT_TILES=config.min_split_tiles,
-        TILE_IN_BLOCK=config.block_tiles and config.block_n <= k_cache.shape[1],
-        LAZY_RESCALE=config.lazy_rescale,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

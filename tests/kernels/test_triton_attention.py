@@ -97,13 +97,6 @@ DECODE_CONFIGS = {
     "balanced": dict(mode="balanced", block_n=16),
     "balanced_min_splits": dict(mode="balanced", block_n=16, min_splits=4),
     "fp8_balanced": "FP8_BALANCED_DECODE",
-    # Tiles addressed by one block-table entry each (a masked tail), and the lazy rescale: in every
-    # mode, splits past their sequence's end included; 64-key tiles over 16-token blocks keep the
-    # per-key addressing.
-    "balanced_block_tiles": dict(mode="balanced", block_n=16, block_tiles=True, lazy_rescale=True),
-    "merge_block_tiles": dict(mode="merge_kernel", block_n=16, block_tiles=True),
-    "fused_block_tiles": dict(block_n=16, min_split_tiles=2, block_tiles=True, lazy_rescale=True),
-    "block_tiles_64": dict(block_n=64, block_tiles=True, lazy_rescale=True),
 }
 
 
@@ -122,8 +115,6 @@ DECODE_VARIANTS = [(name, False) for name in sorted(DECODE_CONFIGS)] + [
     ("merge_kernel", True),
     ("balanced", True),
     ("fp8_balanced", True),
-    ("balanced_block_tiles", True),
-    ("merge_block_tiles", True),
 ]
 
 
