@@ -30,6 +30,7 @@ from nanoinfer.engine.scheduler import EngineCoreOutput, RunnerOutput, Scheduler
 from nanoinfer.engine.structured_outputs import (
     ACCEPTED,
     GrammarBitmask,
+    GrammarFeed,
     PendingBitmask,
     StructuredOutputManager,
 )
@@ -94,8 +95,8 @@ class EngineCore:
         # The bitmask of the in-flight step's constrained rows, filling in the grammar processes.
         self._pending_bitmask: tuple[SchedulerOutput, PendingBitmask] | None = None
         # A step whose constrained rows' tokens were applied before their grammars answered (the feeding
-        # of that pending exchange), checked at the next call.
-        self._unchecked: tuple[SchedulerOutput, PendingBitmask] | None = None
+        # of that pending exchange, with its feeds), checked at the next call.
+        self._unchecked: tuple[SchedulerOutput, PendingBitmask, list[GrammarFeed]] | None = None
         self._compiling: dict[int, str] = {}  # the request of each constraint compiling, by compile key
         self._ran_nothing = False  # the last step had nothing to launch and none in flight
         self.num_prompt_tokens_computed = 0
@@ -154,12 +155,15 @@ class EngineCore:
         without waiting for the grammars (the answers are back by now, after the outputs were made)."""
         if self._unchecked is None:
             return []
-        out, pending = self._unchecked
+        out, pending, feeds = self._unchecked
         self._unchecked = None
+        results = pending.wait_advanced()
         ended = []
-        for row_index, result in pending.wait_advanced().items():
+        for feed in feeds:
+            result = results[feed.row]
             if result.error is not None or result.blocks_eos:
-                output = self.scheduler.apply_late_grammar_result(out, row_index, result)
+                request_id = out.scheduled[feed.row].request_id
+                output = self.scheduler.apply_late_grammar_result(request_id, feed.grammar, result)
                 if output is not None:
                     ended.append(output)
         return ended
@@ -236,7 +240,7 @@ class EngineCore:
             # refusal (a token that the request's other restrictions forced on it, a grammar library's
             # failure) or of a grammar that allows only an EOS the request cannot sample.
             previous[0].grammar_results = dict.fromkeys((feed.row for feed in feeds), ACCEPTED)
-            self._unchecked = (previous[0], self._pending_bitmask[1])
+            self._unchecked = (previous[0], self._pending_bitmask[1], feeds)
         return self._finish_step(*previous, previous_result)
 
     def _grammars(self, out: SchedulerOutput) -> list[tuple[int, Grammar | RemoteGrammar]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -426,14 +426,14 @@ class Scheduler:
         return output
 
     def apply_late_grammar_result(
-        self, out: SchedulerOutput, row_index: int, result: GrammarResult
+        self, request_id: str, grammar: Any, result: GrammarResult
     ) -> EngineCoreOutput | None:
-        """A constrained row's grammar answer that came after its token was applied as accepted (see
-        ``EngineCore._check_fed``): a refusal fails the request, a grammar that allows only the EOS the
-        request cannot sample ends it (an output with no new token). None: nothing to do, or the request
-        has ended meanwhile."""
-        request = self.requests.get(out.scheduled[row_index].request_id)
-        if request is None:
+        """What feeding a token to ``grammar`` gave, after the token was applied to its request as
+        accepted (see ``EngineCore._check_fed``): a refusal fails the request, a grammar that allows only
+        the EOS the request cannot sample ends it (an output with no new token). None: nothing to do,
+        or the request has ended meanwhile (its id may name another request by now)."""
+        request = self.requests.get(request_id)
+        if request is None or request.grammar is not grammar:
             return None
         if result.error is not None:
             return self._refused(request, result)

@@ -483,8 +483,8 @@ def test_a_constrained_steps_outputs_do_not_wait_for_its_grammars_answers(tiny_q
 
         apply_late = Scheduler.apply_late_grammar_result
 
-        def recorded_late(self, out, row_index, result):
-            output = apply_late(self, out, row_index, result)
+        def recorded_late(self, request_id, grammar, result):
+            output = apply_late(self, request_id, grammar, result)
             late.append(output)
             return output
 
