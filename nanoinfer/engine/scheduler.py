@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -426,7 +426,7 @@ class Scheduler:
         return output
 
     def apply_late_grammar_result(
-        self, request_id: str, grammar: Any, result: GrammarResult
+        self, request_id: str, grammar: Grammar | RemoteGrammar, result: GrammarResult
     ) -> EngineCoreOutput | None:
         """What feeding a token to ``grammar`` gave, after the token was applied to its request as
         accepted (see ``EngineCore._check_fed``): a refusal fails the request, a grammar that allows only
