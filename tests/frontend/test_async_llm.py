@@ -102,15 +102,16 @@ class Pause:
 def test_delta_and_cumulative_streams_match_offline(llm, reference):
     async def main():
         for i, prompt in enumerate(PROMPTS):
-            text, ids, steps = "", [], 0
+            # How many pieces the stream comes in depends on how fast this loop reads: the deltas that
+            # pile up while it is busy are merged into one (RequestStream). Each piece is new tokens.
+            text, ids = "", []
             async for out in llm.generate(prompt, greedy(12, kind=RequestOutputKind.DELTA), f"d{i}"):
                 c = out.outputs[0]
+                assert c.token_ids
                 text += c.text
                 ids += c.token_ids
-                steps += 1
             assert out.finished and c.finish_reason == "length"
             assert ids == reference[prompt].token_ids and text == reference[prompt].text
-            assert steps >= 2
             previous = []
             async for out in llm.generate(prompt, greedy(12), f"c{i}"):
                 c = out.outputs[0]
