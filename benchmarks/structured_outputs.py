@@ -33,6 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanoinfer.benchmarks.api_overhead import stat_cpu_seconds  # noqa: E402
 from nanoinfer.benchmarks.throughput import git_commit, timed_calls  # noqa: E402
 from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args  # noqa: E402
 
@@ -140,29 +141,21 @@ def _us_per_step(seconds: dict[str, float], calls: dict[str, int]) -> dict[str, 
     return per_step
 
 
-def _stat_ticks(path: str) -> tuple[str, int]:
-    """(name, user + system clock ticks) of a /proc stat file."""
-    with open(path) as f:
-        stat = f.read()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return stat[stat.index("(") + 1 : stat.rindex(")")], int(fields[11]) + int(fields[12])
-
-
-def _thread_cpu_ticks(pid: int | str) -> dict[str, int]:
-    """CPU clock ticks (user + system) of process ``pid`` so far (under "process": its threads that have
-    exited included) and of each of its live threads, by "name/tid" (Linux's /proc; empty elsewhere)."""
+def _cpu_snapshot(pid: int | str) -> dict[str, float]:
+    """CPU seconds of process ``pid`` so far (under "process": its threads that have exited included) and
+    of each of its live threads, by "name/tid" (Linux's /proc; empty elsewhere)."""
     try:
-        ticks = {"process": _stat_ticks(f"/proc/{pid}/stat")[1]}
+        seconds = {"process": stat_cpu_seconds(f"/proc/{pid}/stat")[1]}
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return {}
     for tid in tids:
         try:
-            name, n = _stat_ticks(f"/proc/{pid}/task/{tid}/stat")
+            name, used = stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue  # the thread has exited
-        ticks[f"{name}/{tid}"] = n
-    return ticks
+        seconds[f"{name}/{tid}"] = used
+    return seconds
 
 
 def _grammar_process_pids(llm: LLM) -> list[int]:
@@ -171,17 +164,16 @@ def _grammar_process_pids(llm: LLM) -> list[int]:
 
 
 def _cpu_seconds(before: dict, after: dict) -> dict:
-    """Per process label, from two snapshots of {label: _thread_cpu_ticks}: its CPU seconds, how many of
-    its live threads ran, and its busiest ones."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """Per process label, from two snapshots of {label: _cpu_snapshot}: its CPU seconds, how many of its
+    live threads ran, and its busiest ones."""
     out = {}
-    for label, ticks in after.items():
+    for label, seconds in after.items():
         start = before.get(label, {})
-        used = sorted(((n - start.get(t, 0)) / tick, t) for t, n in ticks.items() if t != "process")
+        used = sorted((s - start.get(t, 0.0), t) for t, s in seconds.items() if t != "process")
         used = [(s, t) for s, t in used if s > 0]
         out[label] = {
             # Threads that ran and exited within the run (a library's per-call threads) count here only.
-            "total": round((ticks.get("process", 0) - start.get("process", 0)) / tick, 3),
+            "total": round(seconds.get("process", 0.0) - start.get("process", 0.0), 3),
             "live_threads_that_ran": len(used),
             "busiest": {t: round(s, 3) for s, t in reversed(used[-4:])},
         }
@@ -197,8 +189,8 @@ def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple
     pids = _grammar_process_pids(llm)
 
     def snapshot() -> dict:
-        return {"engine": _thread_cpu_ticks("self")} | {
-            f"grammar process {i}": _thread_cpu_ticks(pid) for i, pid in enumerate(pids)
+        return {"engine": _cpu_snapshot("self")} | {
+            f"grammar process {i}": _cpu_snapshot(pid) for i, pid in enumerate(pids)
         }
 
     with timed_calls(_phase_targets(llm) if profile else []) as (phase_seconds, phase_calls):

@@ -112,11 +112,13 @@ class StubCore:
         self.running.clear()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process (Linux /proc), without its children."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def stat_cpu_seconds(path: str) -> tuple[str, float]:
+    """(name, user + system CPU seconds) from a Linux /proc stat file: a process's (``/proc/PID/stat``,
+    without its children, with its threads that have exited) or one thread's (``/proc/PID/task/TID/stat``)."""
+    with open(path) as f:
+        stat = f.read()
+    name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port() -> int:
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.5)
         with tempfile.TemporaryDirectory() as scratch:
             result_file = os.path.join(scratch, "serve.json")
-            api_cpu_before = _cpu_seconds(server.pid)
+            api_cpu_before = stat_cpu_seconds(f"/proc/{server.pid}/stat")[1]
             subprocess.run(
                 [sys.executable, "-m", "nanoinfer.entrypoints.cli", "bench", "serve", "--base-url", url,
                  "--model", args.model, "--tokenizer", args.model, "--num-prompts", str(args.num_prompts),
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--request-rate", "inf", "--result-file", result_file],
                 check=True, env=env,
             )  # fmt: skip
-            api_cpu_s = _cpu_seconds(server.pid) - api_cpu_before
+            api_cpu_s = stat_cpu_seconds(f"/proc/{server.pid}/stat")[1] - api_cpu_before
             with open(result_file) as f:
                 result = json.load(f)
     finally:
