@@ -161,11 +161,12 @@ class EngineCore:
         ended = []
         for feed in feeds:
             result = results[feed.row]
-            if result.error is not None or result.blocks_eos:
-                request_id = out.scheduled[feed.row].request_id
-                output = self.scheduler.apply_late_grammar_result(request_id, feed.grammar, result)
-                if output is not None:
-                    ended.append(output)
+            if result is ACCEPTED:  # nearly every row: nothing to apply
+                continue
+            request_id = out.scheduled[feed.row].request_id
+            output = self.scheduler.apply_late_grammar_result(request_id, feed.grammar, result)
+            if output is not None:
+                ended.append(output)
         return ended
 
     def _take_compiled(self) -> list[EngineCoreOutput]:
