@@ -36,6 +36,7 @@ import time
 import traceback
 import types
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from itertools import accumulate
 from pathlib import Path
@@ -1212,6 +1213,61 @@ def time_decode_mixed(gen, quick):
     RESULTS["timing"]["decode_mixed"] = res
 
 
+def time_decode_fp8_kernels(gen, quick):
+    """The FP8 decode kernels side by side: Triton's balanced one-warp tiles (``FP8_BALANCED_DECODE``)
+    against ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight and split targets
+    of 32-128 programs per SM,
+    over the bench workload's mixed lengths (4096-token tables) and uniform 64 / 256 x 1024; every
+    output checked against the reference; CUDA-graph replay, PDL on as in the engine."""
+    res = {}
+    variants = {"triton": K.attn.FP8_BALANCED_DECODE}
+    for depth in (2, 3):
+        for target in (32, 64, 128):
+            config = replace(K.attn.FP8_CUDA_DECODE, target_programs_per_sm=target, num_stages=depth)
+            variants[f"cuda_d{depth}_t{target}"] = config
+    shapes = [(f"mixed B={b}", workload_decode_lengths(b)) for b in (24, 32, 64, 128, 192, 256)]
+    shapes += [("uniform 64 x 1024", [1024] * 64), ("uniform 256 x 1024", [1024] * 256)]
+    if quick:
+        shapes = shapes[-2:]
+    for label, lens in shapes:
+        batch = len(lens)
+        paged = Paged(gen, lens, KV_HEADS, HEAD_DIM, 16, fp8_scales(), width=4096 // 16)
+        query = randn(gen, batch, HEADS, HEAD_DIM)
+        out = torch.empty_like(query)
+        args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
+        expected = decode_reference(query, paged, paged.seq_lens, HEAD_DIM**-0.5)
+        entry = {}
+        for name, config in variants.items():
+            workspace = K.attn.DecodeWorkspace.allocate(
+                batch, HEADS, KV_HEADS, HEAD_DIM, 4096, DEVICE, config, cache_dtype=paged.k_cache.dtype
+            )
+            fn = partial(
+                K.attn.paged_decode_attention, *args, out=out, workspace=workspace, config=config,
+                pdl=True, **paged.scales,
+            )  # fmt: skip
+            try:
+                out.fill_(float("nan"))
+                fn()
+                err = rel_error(out, expected)
+                ok = err < TOLERANCE and not out.isnan().any()
+                record("decode_fp8_kernels", {"cfg": name, "shape": label}, ok, err)
+                us = graph_bench(fn) * 1e3
+                entry[name] = {"us": us, "kv_tbps": paged.kv_bytes / us / 1e6, "err": err}
+            except Exception as exc:  # noqa: BLE001
+                entry[name] = {"error": repr(exc)[:300]}
+        res[label] = entry
+        timed = {k: v["us"] for k, v in entry.items() if "us" in v}
+        best = min(timed, key=timed.get) if timed else "none"
+        TABLE.append(
+            (
+                f"decode fp8 kernels {label}",
+                ", ".join(f"{k} {v:.1f}" for k, v in timed.items()) + f" us; best {best}",
+            )
+        )
+        del paged
+    RESULTS["timing"]["decode_fp8_kernels"] = res
+
+
 def _token_major(cache: torch.Tensor) -> torch.Tensor:
     return cache.contiguous()
 
@@ -1772,8 +1828,8 @@ def guarded(name: str, stage: Callable) -> None:
 
 
 SECTIONS = (
-    "ceiling", "correctness", "elementwise", "sampler", "gemv", "gemm", "decode", "decode_mixed", "prefill",
-    "layout", "mock_step",
+    "ceiling", "correctness", "elementwise", "sampler", "gemv", "gemm", "decode", "decode_mixed",
+    "decode_fp8_kernels", "prefill", "layout", "mock_step",
 )  # fmt: skip
 
 
@@ -1814,6 +1870,7 @@ def main() -> int:
         "gemm": lambda: time_gemm(gen, opts.quick),
         "decode": lambda: time_decode(gen, opts.quick),
         "decode_mixed": lambda: time_decode_mixed(gen, opts.quick),
+        "decode_fp8_kernels": lambda: time_decode_fp8_kernels(gen, opts.quick),
         "prefill": lambda: time_prefill(gen, opts.quick),
         "layout": lambda: time_layouts(gen, opts.quick),
         "mock_step": lambda: time_mock_step(gen, opts.quick),

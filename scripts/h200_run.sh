@@ -145,7 +145,7 @@ decode_profile)
     command -v ncu > /dev/null || PATH=$PATH:$(dirname "$(ls -d /opt/nvidia/nsight-compute/*/ncu | tail -1)")
     for kv in ${DECODE_PROFILE_KV:-fp8 bf16}; do
         timeout 60 python3 scripts/gpu_decode_profile.py --kv "$kv"
-        timeout 240 ncu --clock-control none --set full --import-source yes -k regex:_decode_kernel --launch-skip 5 --launch-count 1 \
+        timeout 240 ncu --clock-control none --set full --import-source yes -k regex:'_decode_kernel|fp8_paged_decode' --launch-skip 5 --launch-count 1 \
             -o "$OUT/decode_$kv" python3 scripts/gpu_decode_profile.py --kv "$kv" --calls 1 \
             > "$OUT/ncu_decode_$kv.log" 2>&1
         tail -3 "$OUT/ncu_decode_$kv.log"

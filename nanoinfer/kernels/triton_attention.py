@@ -53,7 +53,9 @@ class DecodeConfig:
     others). The grid's split count aims at ``target_programs_per_sm`` programs per SM, at most
     ``max_splits``; in balanced mode at least ``min_splits``, however full the grid. ``max_registers``:
     a cap on the registers per thread (ptxas spills the rest), so that more programs fit on a
-    multiprocessor (CUDA only; None: the compiler's choice).
+    multiprocessor (CUDA only; None: the compiler's choice). ``kernel="cuda"``: balanced mode's first
+    launch is ``cuda_decode``'s kernel (FP8 caches with 16-key tiles, ``num_stages`` of them in flight; a
+    call it does not support runs the Triton kernel with the same splits).
     """
 
     mode: str = "fused"
@@ -65,10 +67,17 @@ class DecodeConfig:
     max_splits: int = 64
     min_splits: int = 1
     max_registers: int | None = None
+    kernel: str = "triton"
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise ValueError(f"DecodeConfig.mode must be one of {sorted(_MODES)}, got {self.mode!r}")
+        if self.kernel not in ("triton", "cuda"):
+            raise ValueError(f"DecodeConfig.kernel must be 'triton' or 'cuda', got {self.kernel!r}")
+        if self.kernel == "cuda" and (self.mode != "balanced" or self.block_n != 16 or self.num_stages > 4):
+            raise ValueError(
+                "DecodeConfig.kernel='cuda' needs mode='balanced', block_n=16 and num_stages <= 4"
+            )
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
         if not 1 <= self.min_splits <= self.max_splits:
@@ -108,6 +117,7 @@ FP8_BALANCED_DECODE = DecodeConfig(
     target_programs_per_sm=64,
     max_splits=16,
 )
+FP8_CUDA_DECODE = replace(FP8_BALANCED_DECODE, kernel="cuda", num_stages=2, max_registers=None)
 
 
 @dataclass(frozen=True)
@@ -620,6 +630,13 @@ def _decode_merge_kernel(
         tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
 
 
+def _cuda_decode():
+    """``cuda_decode``, imported at its first use (it compiles its kernel with NVRTC on CUDA only)."""
+    from nanoinfer.kernels import cuda_decode
+
+    return cuda_decode
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
@@ -637,7 +654,7 @@ def default_decode_config(
     3.8-4.0 TB/s on the bench workload's mixed lengths, which no balanced variant beat."""
     programs = batch * num_kv_heads
     if cache_dtype == FP8_DTYPE and programs >= num_sms:
-        return FP8_BALANCED_DECODE
+        return FP8_CUDA_DECODE
     return MERGE_KERNEL_DECODE
 
 
@@ -805,39 +822,49 @@ def _launch_decode(
     block_s = triton.next_power_of_2(config.max_splits)
     options = launch_options(pdl, query.device)
     register_cap = {"maxnreg": config.max_registers} if config.max_registers else {}
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        out,
-        partial_out,
-        partial_lse,
-        counters,
-        scale_log2=scale * _LOG2E,
-        group=group,
-        num_splits=num_splits,
-        stride_qb=query.stride(0),
-        stride_qh=query.stride(1),
-        **_cache_strides(k_cache, v_cache),
-        stride_bt=block_tables.stride(0),
-        stride_ob=out.stride(0),
-        stride_oh=out.stride(1),
-        BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim,
-        BLOCK_G=_group_block(group),
-        BLOCK_N=config.block_n,
-        BLOCK_S=block_s,
-        MODE=mode,
-        MIN_SPLIT_TILES=config.min_split_tiles,
-        USE_PDL=pdl,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **_scale_args(k_scale, v_scale, out),
-        **options,
-        **register_cap,
-    )
+    if config.kernel == "cuda" and _cuda_decode().supports(
+        query, k_cache, v_cache, out, block_tables, seq_lens, config.num_stages
+    ):
+        # Launched without PDL: it starts once the previous kernel has finished, and the merge kernel's
+        # wait covers it.
+        _cuda_decode().launch(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, out, partial_out, partial_lse,
+            num_splits, k_scale, v_scale, config.num_stages,
+        )  # fmt: skip
+    else:
+        _decode_kernel[(batch, num_kv_heads, num_splits)](
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            out,
+            partial_out,
+            partial_lse,
+            counters,
+            scale_log2=scale * _LOG2E,
+            group=group,
+            num_splits=num_splits,
+            stride_qb=query.stride(0),
+            stride_qh=query.stride(1),
+            **_cache_strides(k_cache, v_cache),
+            stride_bt=block_tables.stride(0),
+            stride_ob=out.stride(0),
+            stride_oh=out.stride(1),
+            BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=head_dim,
+            BLOCK_G=_group_block(group),
+            BLOCK_N=config.block_n,
+            BLOCK_S=block_s,
+            MODE=mode,
+            MIN_SPLIT_TILES=config.min_split_tiles,
+            USE_PDL=pdl,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            **_scale_args(k_scale, v_scale, out),
+            **options,
+            **register_cap,
+        )
     if mode in (_MODE_MERGE_KERNEL.value, _MODE_BALANCED.value):
         _decode_merge_kernel[(batch, num_heads)](
             partial_out,

@@ -97,6 +97,8 @@ DECODE_CONFIGS = {
     "balanced": dict(mode="balanced", block_n=16),
     "balanced_min_splits": dict(mode="balanced", block_n=16, min_splits=4),
     "fp8_balanced": "FP8_BALANCED_DECODE",
+    # cuda_decode's kernel on a GPU; elsewhere the Triton kernel with the same splits.
+    "fp8_cuda": "FP8_CUDA_DECODE",
 }
 
 
@@ -115,6 +117,7 @@ DECODE_VARIANTS = [(name, False) for name in sorted(DECODE_CONFIGS)] + [
     ("merge_kernel", True),
     ("balanced", True),
     ("fp8_balanced", True),
+    ("fp8_cuda", True),
 ]
 
 
@@ -165,7 +168,7 @@ def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
         assert kernels.default_decode_config(8, 8, dtype) is kernels.MERGE_KERNEL_DECODE
     assert kernels.default_decode_config(256, 8, DTYPE) is kernels.MERGE_KERNEL_DECODE
     for batch in (17, 64, 256):
-        assert kernels.default_decode_config(batch, 8, FP8_DTYPE) is kernels.FP8_BALANCED_DECODE
+        assert kernels.default_decode_config(batch, 8, FP8_DTYPE) is kernels.FP8_CUDA_DECODE
     assert kernels.default_decode_config(16, 8, FP8_DTYPE) is kernels.MERGE_KERNEL_DECODE
     # Towards 64 programs per SM, 16 splits at most (powers of two).
     splits = [

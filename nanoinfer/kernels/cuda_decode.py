@@ -1,0 +1,506 @@
+"""Split-KV decode attention over an FP8 (e4m3) paged cache, in CUDA C++ compiled at run time by NVRTC
+(the NVRTC library that PyTorch's CUDA wheels depend on; no CUDA toolkit needed). The compiled kernel is
+loaded and launched through PyTorch's own NVRTC helpers (``torch.cuda._utils``).
+
+Why not Triton: small GQA groups (Qwen3-0.6B: 2 query heads per KV head) pad to a 16-row ``tl.dot``,
+and Triton's code for an FP8 tile spends about 180 instructions per KiB of KV (Nsight Compute, run 68:
+V read byte by byte from shared memory to build the tensor cores' B operand, the query re-read every
+tile, the 16-row accumulator rescaled, 64-bit addresses per key), which holds it at 2.2-2.9 TB/s. Here
+one warp owns a (sequence, KV head, split), every load goes straight from global memory into registers
+as the ``mma.sync.m16n8k16`` operands need them, and the roles are swapped so that the padding falls on
+the MMA's 8-wide side:
+
+* scores: S^T[16 keys, 8 queries] = K[16 keys, D] . Q^T; the K tile is the A operand, the query (scaled,
+  float16) the B operand, loaded once. The dot product's order over D is free, so each lane loads whole
+  16-byte runs of its two key rows and converts them in pairs (``cvt.rn.f16x2.e4m3x2``).
+* output: O^T[D, 8 queries] += V^T[D, 16 keys] . P^T; V's bytes for 4 keys x 8 dims come in as 8-byte
+  loads and are paired per dimension with ``prmt``. P^T reaches each lane's B operand in 4 shuffles.
+* the online softmax runs on the lanes that hold the scores; each lane rescales 32 accumulator values.
+
+Key order inside a 16-key tile is a permutation shared by both products (lane rows of S^T are keys 2g
+and 2g+1, the P^T operand's rows are keys 4c..4c+3), so no data is moved to match them.
+
+The kernel writes the same outputs as ``triton_attention``'s balanced mode (split lengths in 16-key
+tiles from the batch's longest sequence; a sequence using one split writes its output, the others write
+normalised partials and log2-sum-exps for ``_decode_merge_kernel``). ``attention_ref`` is its reference;
+the GPU tests (``tests/kernels/test_cuda_decode.py``) compare them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from nanoinfer.kernels.attention_ref import FP8_DTYPE
+
+logger = logging.getLogger(__name__)
+
+TILE_KEYS = 16
+_LOG2E = 1.4426950408889634
+# The float types the kernel reads queries in and writes outputs in (its QT / OT template arguments).
+_FLOAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u16 v) {
+    u32 r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+    return r;
+}
+
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u32 byte_pairs(u32 a, u32 b, u32 selector) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+    return r;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 load_16(const unsigned char* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint2 load_8(const unsigned char* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+// Float types by code: 0 bfloat16, 1 float16, 2 float32.
+template <int T> __device__ __forceinline__ float load_float(const void* p, long long i);
+template <> __device__ __forceinline__ float load_float<0>(const void* p, long long i) {
+    return __uint_as_float(((u32)((const u16*)p)[i]) << 16);
+}
+template <> __device__ __forceinline__ float load_float<1>(const void* p, long long i) {
+    float r;
+    u16 h = ((const u16*)p)[i];
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return r;
+}
+template <> __device__ __forceinline__ float load_float<2>(const void* p, long long i) {
+    return ((const float*)p)[i];
+}
+template <int T> __device__ __forceinline__ void store_float(void* p, long long i, float v);
+template <> __device__ __forceinline__ void store_float<0>(void* p, long long i, float v) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    ((u16*)p)[i] = h;
+}
+template <> __device__ __forceinline__ void store_float<1>(void* p, long long i, float v) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    ((u16*)p)[i] = h;
+}
+template <> __device__ __forceinline__ void store_float<2>(void* p, long long i, float v) {
+    ((float*)p)[i] = v;
+}
+
+// One 16-key tile's bytes, as this lane loads them. K: key rows 2g and 2g+1 (the A operand's rows g
+// and g+8), CHUNKS 16-byte runs each at dims 16c + 64i. V: keys 4c..4c+3, CHUNKS 8-byte runs each at
+// dims 8g + 64i.
+template <int CHUNKS> struct Tile {
+    uint4 k_even[CHUNKS];
+    uint4 k_odd[CHUNKS];
+    uint2 v[4][CHUNKS];
+};
+
+template <int HD, int BS>
+__device__ __forceinline__ void load_tile(Tile<HD / 64>& t, const unsigned char* k_head,
+                                          const unsigned char* v_head, const int* table, int tile_start,
+                                          long long kcb, int kcs, long long vcb, int vcs, int g, int c) {
+    constexpr int CHUNKS = HD / 64;
+    const long long block = table[tile_start / BS];
+    const int slot0 = tile_start % BS;
+    const unsigned char* k_rows = k_head + block * kcb + (long long)(slot0 + 2 * g) * kcs + 16 * c;
+    #pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        t.k_even[i] = load_16(k_rows + 64 * i);
+        t.k_odd[i] = load_16(k_rows + kcs + 64 * i);
+    }
+    const unsigned char* v_rows = v_head + block * vcb + (long long)(slot0 + 4 * c) * vcs + 8 * g;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        #pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) t.v[j][i] = load_8(v_rows + (long long)j * vcs + 64 * i);
+    }
+}
+
+// Per lane (g = lane / 4, c = lane % 4): scores of keys 2g, 2g+1 for queries 2c, 2c+1; the running max
+// m and partial sum l of queries 2c, 2c+1 (l summed over the lanes at the end); O^T rows of dims
+// 8g + 64i + 2t' (+1) for queries 2c, 2c+1, in acc[4i + t'].
+template <int HD>
+__device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD / 8],
+                                            float (&acc)[HD / 16][4], float (&m)[2], float (&l)[2],
+                                            int tile_start, int end, int g, int c) {
+    constexpr int CHUNKS = HD / 64;
+    const float neg_inf = __int_as_float(0xff800000);
+    // Only a sequence's last tile (the branch is the same for the whole warp) reaches past its end.
+    const bool partial = tile_start + 16 > end;
+    if (partial) {
+        // Past the end a slot holds stale bytes (maybe NaN codes): zeroed, since 0 * NaN would reach
+        // the accumulator.
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            #pragma unroll
+            for (int i = 0; i < CHUNKS; ++i) {
+                if (tile_start + 4 * c + j >= end) t.v[j][i] = make_uint2(0u, 0u);
+            }
+        }
+    }
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    #pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        const u32 ke[4] = {t.k_even[i].x, t.k_even[i].y, t.k_even[i].z, t.k_even[i].w};
+        const u32 ko[4] = {t.k_odd[i].x, t.k_odd[i].y, t.k_odd[i].z, t.k_odd[i].w};
+        #pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int step = 4 * i + w;
+            mma_16816(s, e4m3x2_to_f16x2((u16)ke[w]), e4m3x2_to_f16x2((u16)ko[w]),
+                      e4m3x2_to_f16x2((u16)(ke[w] >> 16)), e4m3x2_to_f16x2((u16)(ko[w] >> 16)),
+                      q[2 * step], q[2 * step + 1]);
+        }
+    }
+    if (partial) {
+        if (tile_start + 2 * g >= end) s[0] = s[1] = neg_inf;
+        if (tile_start + 2 * g + 1 >= end) s[2] = s[3] = neg_inf;
+    }
+    float tile_max[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+    #pragma unroll
+    for (int mask = 4; mask < 32; mask <<= 1) {
+        tile_max[0] = fmaxf(tile_max[0], __shfl_xor_sync(0xffffffffu, tile_max[0], mask));
+        tile_max[1] = fmaxf(tile_max[1], __shfl_xor_sync(0xffffffffu, tile_max[1], mask));
+    }
+    // Every tile holds a valid key, so the new max is finite and exp2(-inf - max) = 0 on the first.
+    const float m_new[2] = {fmaxf(m[0], tile_max[0]), fmaxf(m[1], tile_max[1])};
+    const float alpha[2] = {fast_exp2(m[0] - m_new[0]), fast_exp2(m[1] - m_new[1])};
+    const float p0 = fast_exp2(s[0] - m_new[0]);
+    const float p1 = fast_exp2(s[1] - m_new[1]);
+    const float p2 = fast_exp2(s[2] - m_new[0]);
+    const float p3 = fast_exp2(s[3] - m_new[1]);
+    l[0] = l[0] * alpha[0] + p0 + p2;
+    l[1] = l[1] * alpha[1] + p1 + p3;
+    m[0] = m_new[0];
+    m[1] = m_new[1];
+    // P^T's B operand: lane (g, c) needs query g's p of keys 4c, 4c+1 (held by lane 8c + g/2) and of
+    // keys 4c+2, 4c+3 (lane 8c + 4 + g/2), of that lane's query parity g % 2.
+    const u32 p_even_query = pack_f16x2(p0, p2);
+    const u32 p_odd_query = pack_f16x2(p1, p3);
+    const int src = 8 * c + (g >> 1);
+    const u32 e0 = __shfl_sync(0xffffffffu, p_even_query, src);
+    const u32 o0 = __shfl_sync(0xffffffffu, p_odd_query, src);
+    const u32 e1 = __shfl_sync(0xffffffffu, p_even_query, src + 4);
+    const u32 o1 = __shfl_sync(0xffffffffu, p_odd_query, src + 4);
+    const u32 b0 = (g & 1) ? o0 : e0;
+    const u32 b1 = (g & 1) ? o1 : e1;
+    #pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        #pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+            const int r = 4 * i + tt;
+            // Dims 2tt', 2tt'+1 of this lane's 8-byte run: bytes of word tt / 2.
+            const u32 selector = (tt & 1) ? 0x7362u : 0x5140u;
+            const u32 v0 = (tt < 2) ? t.v[0][i].x : t.v[0][i].y;
+            const u32 v1 = (tt < 2) ? t.v[1][i].x : t.v[1][i].y;
+            const u32 v2 = (tt < 2) ? t.v[2][i].x : t.v[2][i].y;
+            const u32 v3 = (tt < 2) ? t.v[3][i].x : t.v[3][i].y;
+            const u32 w01 = byte_pairs(v0, v1, selector);
+            const u32 w23 = byte_pairs(v2, v3, selector);
+            acc[r][0] *= alpha[0];
+            acc[r][1] *= alpha[1];
+            acc[r][2] *= alpha[0];
+            acc[r][3] *= alpha[1];
+            mma_16816(acc[r], e4m3x2_to_f16x2((u16)w01), e4m3x2_to_f16x2((u16)(w01 >> 16)),
+                      e4m3x2_to_f16x2((u16)w23), e4m3x2_to_f16x2((u16)(w23 >> 16)), b0, b1);
+        }
+    }
+}
+
+// Grid (batch, num_kv_heads, num_splits), one warp per block. Balanced splits: one split length for the
+// batch, its longest sequence over num_splits in whole 16-key tiles. DEPTH tiles in flight: each tile's
+// loads are issued DEPTH - 1 tiles before its arithmetic.
+template <int HD, int BS, int QT, int OT, int DEPTH>
+__global__ void __launch_bounds__(32) fp8_paged_decode(
+    const void* query, const unsigned char* k_cache, const unsigned char* v_cache, const int* block_tables,
+    const int* seq_lens, void* out, float* partial_out, float* partial_lse, const float* k_scale,
+    const float* v_scale, double scale_log2, int group, int num_splits, int batch, int stride_qb,
+    int stride_qh, int stride_kcb, int stride_kcs, int stride_kch, int stride_vcb, int stride_vcs,
+    int stride_vch, int stride_bt, int stride_ob, int stride_oh, int has_k_scale, int has_v_scale) {
+    constexpr int CHUNKS = HD / 64;
+    const int seq = blockIdx.x;
+    const int kv_head = blockIdx.y;
+    const int split = blockIdx.z;
+    const int lane = threadIdx.x;
+    const int g = lane >> 2;
+    const int c = lane & 3;
+    const int seq_len = seq_lens[seq];
+
+    int longest = 0;
+    for (int b = lane; b < batch; b += 32) longest = max(longest, seq_lens[b]);
+    #pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) {
+        longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, mask));
+    }
+    const int split_tiles = max((((longest + num_splits - 1) / num_splits) + 15) / 16, 1);
+    const int split_len = split_tiles * 16;
+    const int used_splits = max((seq_len + split_len - 1) / split_len, 1);
+    if (split >= used_splits) return;
+    const int start = split * split_len;
+    const int end = min(start + split_len, seq_len);
+
+    // The query rows (scaled into log2 units, K's scale folded in) as this lane's B operands: query g,
+    // dims 16c + 64i + 4w + {0,1} and {2,3} for k-step 4i + w.
+    const float qk_scale = (float)scale_log2 * (has_k_scale ? k_scale[0] : 1.0f);
+    u32 q[HD / 8];
+    const long long q_row = (long long)seq * stride_qb + (long long)(kv_head * group + g) * stride_qh;
+    #pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        #pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int d = 16 * c + 64 * i + 4 * w;
+            float x[4] = {0.f, 0.f, 0.f, 0.f};
+            if (g < group) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) x[e] = load_float<QT>(query, q_row + d + e) * qk_scale;
+            }
+            q[2 * (4 * i + w)] = pack_f16x2(x[0], x[1]);
+            q[2 * (4 * i + w) + 1] = pack_f16x2(x[2], x[3]);
+        }
+    }
+
+    float acc[HD / 16][4];
+    #pragma unroll
+    for (int r = 0; r < HD / 16; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
+    const float neg_inf = __int_as_float(0xff800000);
+    float m[2] = {neg_inf, neg_inf};
+    float l[2] = {0.f, 0.f};
+
+    const unsigned char* k_head = k_cache + (long long)kv_head * stride_kch;
+    const unsigned char* v_head = v_cache + (long long)kv_head * stride_vch;
+    const int* table = block_tables + (long long)seq * stride_bt;
+    const long long kcb = stride_kcb, vcb = stride_vcb;
+    const int kcs = stride_kcs, vcs = stride_vcs;
+    auto load = [&](Tile<CHUNKS>& t, int at) {
+        load_tile<HD, BS>(t, k_head, v_head, table, at, kcb, kcs, vcb, vcs, g, c);
+    };
+    Tile<CHUNKS> tiles[DEPTH];
+    #pragma unroll
+    for (int p = 0; p < DEPTH - 1; ++p) {
+        if (start + 16 * p < end) load(tiles[p], start + 16 * p);
+    }
+    for (int tile = start; tile < end; tile += 16 * DEPTH) {
+        #pragma unroll
+        for (int p = 0; p < DEPTH; ++p) {
+            const int here = tile + 16 * p;
+            if (here >= end) break;
+            const int ahead = here + 16 * (DEPTH - 1);
+            if (ahead < end) load(tiles[(p + DEPTH - 1) % DEPTH], ahead);
+            attend_tile<HD>(tiles[p], q, acc, m, l, here, end, g, c);
+        }
+    }
+
+    #pragma unroll
+    for (int mask = 4; mask < 32; mask <<= 1) {
+        l[0] += __shfl_xor_sync(0xffffffffu, l[0], mask);
+        l[1] += __shfl_xor_sync(0xffffffffu, l[1], mask);
+    }
+    const float v_mult = has_v_scale ? v_scale[0] : 1.0f;
+    const int num_heads = gridDim.y * group;
+    #pragma unroll
+    for (int parity = 0; parity < 2; ++parity) {
+        const int query_row = 2 * c + parity;
+        if (query_row >= group) continue;
+        const int head = kv_head * group + query_row;
+        const bool has_keys = l[parity] > 0.f;
+        const float norm = v_mult / (has_keys ? l[parity] : 1.0f);
+        if (used_splits == 1) {
+            const long long o = (long long)seq * stride_ob + (long long)head * stride_oh;
+            #pragma unroll
+            for (int i = 0; i < CHUNKS; ++i) {
+                #pragma unroll
+                for (int tt = 0; tt < 4; ++tt) {
+                    const int d = 8 * g + 64 * i + 2 * tt;
+                    store_float<OT>(out, o + d, acc[4 * i + tt][parity] * norm);
+                    store_float<OT>(out, o + d + 1, acc[4 * i + tt][2 + parity] * norm);
+                }
+            }
+        } else {
+            const long long row = ((long long)seq * num_heads + head) * num_splits + split;
+            #pragma unroll
+            for (int i = 0; i < CHUNKS; ++i) {
+                #pragma unroll
+                for (int tt = 0; tt < 4; ++tt) {
+                    const int d = 8 * g + 64 * i + 2 * tt;
+                    *(float2*)(partial_out + row * HD + d) =
+                        make_float2(acc[4 * i + tt][parity] * norm, acc[4 * i + tt][2 + parity] * norm);
+                }
+            }
+            if (g == 0) partial_lse[row] = has_keys ? m[parity] + __log2f(l[parity]) : neg_inf;
+        }
+    }
+}
+"""
+
+
+def supports(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    depth: int = 2,
+) -> bool:
+    """Whether this kernel takes the call: an FP8 cache on CUDA whose blocks hold whole 16-key tiles,
+    head_dim 64 or 128, at most 8 query heads per KV head, 16-byte aligned rows, int32 tables and
+    lengths."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = query.shape[1] // num_kv_heads
+    strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    return (
+        query.is_cuda
+        and k_cache.dtype == FP8_DTYPE
+        and head_dim in (64, 128)
+        and block_size % TILE_KEYS == 0
+        and 1 <= group <= 8
+        and query.dtype in _FLOAT_CODES
+        and block_tables.dtype == torch.int32
+        and seq_lens.dtype == torch.int32
+        and out.dtype in _FLOAT_CODES
+        and all(stride % 16 == 0 for stride in strides)
+        and k_cache.data_ptr() % 16 == 0
+        and v_cache.data_ptr() % 16 == 0
+        and torch.cuda.get_device_capability(query.device) >= (8, 9)  # e4m3 conversions: sm_89 and up
+        and _compiled(query, head_dim, block_size, out.dtype, depth) is not None
+    )
+
+
+@functools.cache
+def _kernel(head_dim: int, block_size: int, query_code: int, out_code: int, depth: int, arch: int):
+    """The compiled kernel for these template arguments, or None where NVRTC or the driver fails (the
+    caller then runs the Triton kernel; the reason is logged once)."""
+    from torch.cuda._utils import _cuda_load_module, _get_gpu_rtc_library
+
+    name = f"fp8_paged_decode<{head_dim}, {block_size}, {query_code}, {out_code}, {depth}>"
+    try:
+        nvrtc = _get_gpu_rtc_library()
+        cubin, lowered = _nvrtc_compile(nvrtc, name, arch)
+        return _cuda_load_module(cubin, [lowered])[lowered]
+    except (OSError, RuntimeError) as exc:
+        logger.warning("CUDA FP8 decode kernel unavailable (%s); using the Triton kernel", exc)
+        return None
+
+
+def _nvrtc_compile(nvrtc, name: str, arch: int) -> tuple[bytes, str]:
+    """CUBIN of ``_SOURCE`` for ``sm_<arch>`` and the lowered name of its instantiation ``name``. The
+    source includes no header, so no CUDA toolkit is needed beside NVRTC."""
+    program = ctypes.c_void_p()
+
+    def check(status: int, what: str) -> None:
+        if status != 0:
+            log_size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(log_size))
+            log = ctypes.create_string_buffer(log_size.value)
+            nvrtc.nvrtcGetProgramLog(program, log)
+            raise RuntimeError(f"NVRTC {what} failed ({status}): {log.value.decode(errors='replace')[:2000]}")
+
+    check(
+        nvrtc.nvrtcCreateProgram(ctypes.byref(program), _SOURCE.encode(), b"cuda_decode.cu", 0, None, None),
+        "create",
+    )
+    try:
+        check(nvrtc.nvrtcAddNameExpression(program, name.encode()), "name")
+        options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17"]
+        check(
+            nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options)),
+            "compile",
+        )
+        size = ctypes.c_size_t()
+        check(nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        check(nvrtc.nvrtcGetCUBIN(program, cubin), "cubin")
+        lowered = ctypes.c_char_p()
+        check(nvrtc.nvrtcGetLoweredName(program, name.encode(), ctypes.byref(lowered)), "lowered name")
+        return cubin.raw, lowered.value.decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def _compiled(query: torch.Tensor, head_dim: int, block_size: int, out_dtype: torch.dtype, depth: int):
+    major, minor = torch.cuda.get_device_capability(query.device)
+    codes = (_FLOAT_CODES[query.dtype], _FLOAT_CODES[out_dtype])
+    return _kernel(head_dim, block_size, *codes, depth, 10 * major + minor)
+
+
+def launch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    num_splits: int,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    depth: int = 2,
+) -> None:
+    """The first of balanced mode's two launches (``triton_attention._launch_decode`` merges); the
+    caller has checked :func:`supports` and the shapes. Capturable in a CUDA graph."""
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    kernel = _compiled(query, head_dim, block_size, out.dtype, depth)
+    args = [
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        partial_out,
+        partial_lse,
+        k_scale if k_scale is not None else partial_lse,
+        v_scale if v_scale is not None else partial_lse,
+        scale * _LOG2E,
+        num_heads // num_kv_heads,
+        num_splits,
+        batch,
+        query.stride(0),
+        query.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        int(k_scale is not None),
+        int(v_scale is not None),
+    ]
+    kernel(grid=(batch, num_kv_heads, num_splits), block=(32, 1, 1), args=args)

@@ -1,0 +1,160 @@
+"""The CUDA FP8 decode kernel (``cuda_decode``) against the pure-PyTorch reference (GPU), and the rules
+that route a call to it (CPU)."""
+
+import pytest
+import torch
+
+from nanoinfer.kernels.attention_ref import FP8_DTYPE, paged_attention_ref, quantize_fp8_ref
+from tests.kernels.helpers import (
+    DEVICE,
+    fp8_scales,
+    generator,
+    gpu_only,
+    head_major,
+    randn,
+    random_tables,
+    rel_error,
+    triton_module,
+)
+
+
+def _kernels():
+    return triton_module("triton_attention")
+
+
+def _fp8_cache(gen, tables, seq_lens, num_blocks, block_size, num_kv_heads, head_dim, scales, layout):
+    """(k_cache, v_cache) in e4m3 holding random values in each sequence's slots and e4m3's NaN code in
+    every other slot, so that a kernel that lets a slot past a sequence's end into its arithmetic shows."""
+    caches = []
+    for scale in scales:
+        values = quantize_fp8_ref(randn(gen, num_blocks, block_size, num_kv_heads, head_dim), scale)
+        cache = torch.full_like(values.view(torch.uint8), 0x7F).view(FP8_DTYPE)
+        for row, length in enumerate(seq_lens):
+            slots = torch.arange(length, device=DEVICE)
+            blocks = tables[row].long()[slots // block_size]
+            cache[blocks, slots % block_size] = values[blocks, slots % block_size]
+        caches.append(head_major(cache) if layout == "head_major" else cache)
+    return caches
+
+
+CASES = [
+    # seq_lens, num_heads, num_kv_heads, head_dim, block_size
+    ([1, 15, 16, 17, 31, 33, 1000, 0], 16, 8, 128, 16),  # Qwen3-0.6B's groups of 2
+    ([300, 5, 64, 129], 8, 1, 128, 32),  # group of 8 (MQA), 32-slot blocks
+    ([250, 700], 12, 3, 64, 16),  # group of 4, head_dim 64
+    ([77, 3, 0, 512], 4, 4, 128, 64),  # MHA
+    ([40, 90, 2], 14, 2, 64, 16),  # group of 7
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("splits", [1, 2, 16])
+@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", CASES)
+def test_cuda_fp8_decode_matches_reference(
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits, layout
+):
+    kernels = _kernels()
+    gen = generator(len(seq_lens) * 100 + head_dim + splits)
+    batch = len(seq_lens)
+    tables, num_blocks = random_tables(gen, seq_lens, block_size)
+    scales = fp8_scales(0.5, 0.25)
+    k_cache, v_cache = _fp8_cache(
+        gen, tables, seq_lens, num_blocks, block_size, num_kv_heads, head_dim, scales, layout
+    )
+    query = randn(gen, batch, num_heads, head_dim, dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(query, float("nan"))
+    group = num_heads // num_kv_heads
+    kernels._launch_decode(
+        query, k_cache, v_cache, tables, lens, head_dim**-0.5, out, None, splits, group,
+        kernels.FP8_CUDA_DECODE, *scales,
+    )  # fmt: skip
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, head_dim**-0.5, *scales)
+    assert not out.isnan().any()
+    assert rel_error(out, ref) < 1e-2
+    assert torch.equal(out[lens == 0], torch.zeros_like(out[lens == 0]))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_cuda_fp8_decode_takes_float16_and_float32_queries(dtype):
+    kernels = _kernels()
+    gen = generator(5)
+    seq_lens = [100, 33]
+    tables, num_blocks = random_tables(gen, seq_lens, 16)
+    k_cache, v_cache = _fp8_cache(gen, tables, seq_lens, num_blocks, 16, 2, 128, (None, None), "head_major")
+    query = randn(gen, 2, 4, 128, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = kernels.paged_decode_attention(
+        query, k_cache, v_cache, tables, lens, 0.1, config=kernels.FP8_CUDA_DECODE
+    )
+    qsl = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    assert rel_error(out, paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, 0.1)) < 1e-2
+
+
+@gpu_only
+def test_cuda_fp8_decode_replays_in_a_cuda_graph():
+    kernels = _kernels()
+    gen = generator(9)
+    seq_lens = [200, 1, 64, 900] * 40
+    tables, num_blocks = random_tables(gen, seq_lens, 16)
+    scales = fp8_scales(0.5, 0.25)
+    k_cache, v_cache = _fp8_cache(gen, tables, seq_lens, num_blocks, 16, 8, 128, scales, "head_major")
+    query = randn(gen, len(seq_lens), 16, 128, dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    workspace = kernels.DecodeWorkspace.allocate(
+        len(seq_lens), 16, 8, 128, tables.shape[1] * 16, DEVICE, cache_dtype=FP8_DTYPE
+    )
+    out = torch.empty_like(query)
+
+    def call():
+        kernels.paged_decode_attention(
+            query, k_cache, v_cache, tables, lens, 0.088, out=out, workspace=workspace, k_scale=scales[0],
+            v_scale=scales[1], config=kernels.FP8_CUDA_DECODE, pdl=True,
+        )  # fmt: skip
+
+    call()
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.zero_()
+    lens[::2] -= 1  # new lengths: the graph reads them on the device
+    graph.replay()
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, 0.088, *scales)
+    assert rel_error(out, ref) < 1e-2
+    assert not torch.equal(out, eager)
+
+
+def test_cuda_kernel_config_needs_balanced_sixteen_key_tiles():
+    kernels = _kernels()
+    with pytest.raises(ValueError, match="kernel"):
+        kernels.DecodeConfig(kernel="cutlass")
+    with pytest.raises(ValueError, match="balanced"):
+        kernels.DecodeConfig(kernel="cuda", mode="merge_kernel", block_n=16)
+    with pytest.raises(ValueError, match="block_n=16"):
+        kernels.DecodeConfig(kernel="cuda", mode="balanced", block_n=32)
+    assert kernels.FP8_CUDA_DECODE.kernel == "cuda"
+
+
+def test_cuda_kernel_takes_only_calls_it_supports():
+    from nanoinfer.kernels import cuda_decode
+
+    fp8 = torch.zeros(4, 16, 2, 128).to(FP8_DTYPE)
+    query = torch.zeros(3, 4, 128, dtype=torch.bfloat16)
+    tables = torch.zeros(3, 4, dtype=torch.int32)
+    lens = torch.zeros(3, dtype=torch.int32)
+    # On the CPU (as on CI) the Triton kernel takes every call.
+    assert not cuda_decode.supports(query, fp8, fp8, query, tables, lens)
+    if DEVICE == "cuda":
+        on = {"device": "cuda"}
+        fp8, query, tables, lens = (t.to(**on) for t in (fp8, query, tables, lens))
+        assert cuda_decode.supports(query, fp8, fp8, query, tables, lens)
+        bf16 = fp8.to(torch.bfloat16)
+        assert not cuda_decode.supports(query, bf16, bf16, query, tables, lens)
+        assert not cuda_decode.supports(query, fp8, fp8, query, tables.long(), lens)
+        small_blocks = torch.zeros(8, 8, 2, 128, device="cuda").to(FP8_DTYPE)
+        assert not cuda_decode.supports(query, small_blocks, small_blocks, query, tables, lens)
