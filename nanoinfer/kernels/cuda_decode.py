@@ -244,9 +244,10 @@ __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD 
 
 // Grid (batch, num_kv_heads, num_splits), one warp per block. Balanced splits: one split length for the
 // batch, its longest sequence over num_splits in whole 16-key tiles. DEPTH tiles in flight: each tile's
-// loads are issued DEPTH - 1 tiles before its arithmetic.
-template <int HD, int BS, int QT, int OT, int DEPTH>
-__global__ void __launch_bounds__(32) fp8_paged_decode(
+// loads are issued DEPTH - 1 tiles before its arithmetic. MIN_BLOCKS: warps per SM the registers must
+// leave room for (ptxas spills what does not fit).
+template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const void* query, const unsigned char* k_cache, const unsigned char* v_cache, const int* block_tables,
     const int* seq_lens, void* out, float* partial_out, float* partial_lse, const float* k_scale,
     const float* v_scale, double scale_log2, int group, int num_splits, int batch, int stride_qb,
@@ -375,7 +376,7 @@ def supports(
     out: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    depth: int = 2,
+    tiling: tuple = (2, None),
 ) -> bool:
     """Whether this kernel takes the call: an FP8 cache on CUDA whose blocks hold whole 16-key tiles,
     head_dim 64 or 128, at most 8 query heads per KV head, 16-byte aligned rows, int32 tables and
@@ -397,17 +398,19 @@ def supports(
         and k_cache.data_ptr() % 16 == 0
         and v_cache.data_ptr() % 16 == 0
         and torch.cuda.get_device_capability(query.device) >= (8, 9)  # e4m3 conversions: sm_89 and up
-        and _compiled(query, head_dim, block_size, out.dtype, depth) is not None
+        and _compiled(query, head_dim, block_size, out.dtype, tiling) is not None
     )
 
 
 @functools.cache
-def _kernel(head_dim: int, block_size: int, query_code: int, out_code: int, depth: int, arch: int):
+def _kernel(
+    head_dim: int, block_size: int, query_code: int, out_code: int, depth: int, min_blocks: int, arch: int
+):
     """The compiled kernel for these template arguments, or None where NVRTC or the driver fails (the
     caller then runs the Triton kernel; the reason is logged once)."""
     from torch.cuda._utils import _cuda_load_module, _get_gpu_rtc_library
 
-    name = f"fp8_paged_decode<{head_dim}, {block_size}, {query_code}, {out_code}, {depth}>"
+    name = f"fp8_paged_decode<{head_dim}, {block_size}, {query_code}, {out_code}, {depth}, {min_blocks}>"
     try:
         nvrtc = _get_gpu_rtc_library()
         cubin, lowered = _nvrtc_compile(nvrtc, name, arch)
@@ -452,10 +455,13 @@ def _nvrtc_compile(nvrtc, name: str, arch: int) -> tuple[bytes, str]:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-def _compiled(query: torch.Tensor, head_dim: int, block_size: int, out_dtype: torch.dtype, depth: int):
+def _compiled(query: torch.Tensor, head_dim: int, block_size: int, out_dtype: torch.dtype, tiling: tuple):
+    """``tiling``: (tiles in flight, register cap or None)."""
+    depth, max_registers = tiling
+    min_blocks = 65536 // (32 * max_registers) if max_registers else 1
     major, minor = torch.cuda.get_device_capability(query.device)
     codes = (_FLOAT_CODES[query.dtype], _FLOAT_CODES[out_dtype])
-    return _kernel(head_dim, block_size, *codes, depth, 10 * major + minor)
+    return _kernel(head_dim, block_size, *codes, depth, min_blocks, 10 * major + minor)
 
 
 def launch(
@@ -471,13 +477,13 @@ def launch(
     num_splits: int,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-    depth: int = 2,
+    tiling: tuple = (2, None),
 ) -> None:
     """The first of balanced mode's two launches (``triton_attention._launch_decode`` merges); the
     caller has checked :func:`supports` and the shapes. Capturable in a CUDA graph."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    kernel = _compiled(query, head_dim, block_size, out.dtype, depth)
+    kernel = _compiled(query, head_dim, block_size, out.dtype, tiling)
     args = [
         query,
         k_cache,

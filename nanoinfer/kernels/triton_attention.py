@@ -823,13 +823,13 @@ def _launch_decode(
     options = launch_options(pdl, query.device)
     register_cap = {"maxnreg": config.max_registers} if config.max_registers else {}
     if config.kernel == "cuda" and _cuda_decode().supports(
-        query, k_cache, v_cache, out, block_tables, seq_lens, config.num_stages
+        query, k_cache, v_cache, out, block_tables, seq_lens, (config.num_stages, config.max_registers)
     ):
         # Launched without PDL: it starts once the previous kernel has finished, and the merge kernel's
         # wait covers it.
         _cuda_decode().launch(
             query, k_cache, v_cache, block_tables, seq_lens, scale, out, partial_out, partial_lse,
-            num_splits, k_scale, v_scale, config.num_stages,
+            num_splits, k_scale, v_scale, (config.num_stages, config.max_registers),
         )  # fmt: skip
     else:
         _decode_kernel[(batch, num_kv_heads, num_splits)](
