@@ -1158,6 +1158,28 @@ def previous_decode_config(batch: int, fp8: bool):
     return K.attn.DecodeConfig(block_n=32)
 
 
+def time_checked_decode(args, out, expected, paged, config) -> dict:
+    """One decode configuration on ``args`` (4096-token tables, PDL on as in the engine): its output
+    checked against ``expected``, then timed in CUDA-graph replay; an exception is recorded instead."""
+    batch = out.shape[0]
+    workspace = K.attn.DecodeWorkspace.allocate(
+        batch, HEADS, KV_HEADS, HEAD_DIM, 4096, DEVICE, config, cache_dtype=paged.k_cache.dtype
+    )
+    fn = partial(
+        K.attn.paged_decode_attention, *args, out=out, workspace=workspace, config=config, pdl=True,
+        **paged.scales,
+    )  # fmt: skip
+    try:
+        out.fill_(float("nan"))
+        fn()
+        err = rel_error(out, expected)
+        ok = err < TOLERANCE and not bool(out.isnan().any())
+        us = graph_bench(fn) * 1e3
+        return {"us": us, "kv_tbps": paged.kv_bytes / us / 1e6, "err": err, "ok": ok}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": repr(exc)[:300]}
+
+
 def time_decode_mixed(gen, quick):
     """Decode over the bench workload's mixed context lengths (``workload_decode_lengths``) with the
     engine's 4096-token tables, every batch from 1 to 256 rows in steps: the previous default, today's
@@ -1181,23 +1203,9 @@ def time_decode_mixed(gen, quick):
             entry = {"max_len": max(lens), "mean_len": sum(lens) / batch}
             configs = {"previous": previous_decode_config(batch, fp8), "default": None, **variants}
             for name, config in configs.items():
-                workspace = K.attn.DecodeWorkspace.allocate(
-                    batch, HEADS, KV_HEADS, HEAD_DIM, 4096, DEVICE, config, cache_dtype=paged.k_cache.dtype
-                )
-                fn = partial(
-                    K.attn.paged_decode_attention, *args, out=out, workspace=workspace, config=config,
-                    pdl=True, **paged.scales,
-                )  # fmt: skip
-                try:
-                    out.fill_(float("nan"))
-                    fn()
-                    err = rel_error(out, expected)
-                    us = graph_bench(fn) * 1e3
-                    entry[name] = {"us": us, "kv_tbps": paged.kv_bytes / us / 1e6, "err": err}
-                    if err >= TOLERANCE or out.isnan().any():
-                        record("decode_mixed", {"cfg": name, "kv": kv, "B": batch}, False, err)
-                except Exception as exc:  # noqa: BLE001
-                    entry[name] = {"error": repr(exc)[:300]}
+                entry[name] = time_checked_decode(args, out, expected, paged, config)
+                if not entry[name].get("ok", True):
+                    record("decode_mixed", {"cfg": name, "kv": kv, "B": batch}, False, entry[name]["err"])
             res[f"{kv} B={batch}"] = entry
             timed = {k: v["us"] for k, v in entry.items() if isinstance(v, dict) and "us" in v}
             best = min(timed, key=timed.get)
@@ -1239,23 +1247,11 @@ def time_decode_fp8_kernels(gen, quick):
         expected = decode_reference(query, paged, paged.seq_lens, HEAD_DIM**-0.5)
         entry = {}
         for name, config in variants.items():
-            workspace = K.attn.DecodeWorkspace.allocate(
-                batch, HEADS, KV_HEADS, HEAD_DIM, 4096, DEVICE, config, cache_dtype=paged.k_cache.dtype
-            )
-            fn = partial(
-                K.attn.paged_decode_attention, *args, out=out, workspace=workspace, config=config,
-                pdl=True, **paged.scales,
-            )  # fmt: skip
-            try:
-                out.fill_(float("nan"))
-                fn()
-                err = rel_error(out, expected)
-                ok = err < TOLERANCE and not out.isnan().any()
-                record("decode_fp8_kernels", {"cfg": name, "shape": label}, ok, err)
-                us = graph_bench(fn) * 1e3
-                entry[name] = {"us": us, "kv_tbps": paged.kv_bytes / us / 1e6, "err": err}
-            except Exception as exc:  # noqa: BLE001
-                entry[name] = {"error": repr(exc)[:300]}
+            entry[name] = time_checked_decode(args, out, expected, paged, config)
+            if "err" in entry[name]:
+                record(
+                    "decode_fp8_kernels", {"cfg": name, "shape": label}, entry[name]["ok"], entry[name]["err"]
+                )
         res[label] = entry
         timed = {k: v["us"] for k, v in entry.items() if "us" in v}
         best = min(timed, key=timed.get) if timed else "none"
