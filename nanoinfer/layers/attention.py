@@ -196,20 +196,30 @@ class Attention(nn.Module):
             q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale
         )
 
-    def _attend_uncached(self, q, k, v, meta) -> torch.Tensor:
+    def _attend_uncached(self, q, k, v, meta, query_chunk: int = 256) -> torch.Tensor:
         """Causal attention over this batch's own tokens only: used before the KV pool exists (the
-        warm-up pass that measures peak activation memory), where every sequence starts at 0."""
+        warm-up pass that measures peak activation memory, and the FP8 scale calibration), where every
+        sequence starts at 0. Queries go ``query_chunk`` at a time against their keys so far: what this
+        pass holds at once is then query_chunk x tokens scores per head, not a tokens x tokens matrix
+        (16 GiB a head-set at 16,384 tokens where SDPA falls back to its math path), which the warm-up
+        would count as activation memory and take from the KV pool."""
         out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
         starts = meta.query_start_loc.tolist()
         for b in range(len(starts) - 1):
             s, e = starts[b], starts[b + 1]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1),
-                k[s:e].transpose(0, 1),
-                v[s:e].transpose(0, 1),
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[s:e] = o.transpose(0, 1)
+            keys = k[s:e].transpose(0, 1).repeat_interleave(group, dim=0)
+            values = v[s:e].transpose(0, 1).repeat_interleave(group, dim=0)
+            for first in range(0, e - s, query_chunk):
+                last = min(first + query_chunk, e - s)
+                positions = torch.arange(last, device=q.device)
+                visible = positions[None, :] <= positions[first:last, None]
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q[s + first : s + last].transpose(0, 1),
+                    keys[:, :last],
+                    values[:, :last],
+                    attn_mask=visible,
+                    scale=self.scale,
+                )
+                out[s + first : s + last] = o.transpose(0, 1)
         return out
