@@ -46,7 +46,6 @@ _FLOAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
-typedef unsigned long long u64;
 
 __device__ __forceinline__ u32 e4m3x2_to_f16x2(u16 v) {
     u32 r;
