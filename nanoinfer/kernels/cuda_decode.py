@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
 """
 
 
-def supports(
+def kernel_for(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -376,14 +376,15 @@ def supports(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     tiling: tuple = (2, None),
-) -> bool:
-    """Whether this kernel takes the call: an FP8 cache on CUDA whose blocks hold whole 16-key tiles,
-    head_dim 64 or 128, at most 8 query heads per KV head, 16-byte aligned rows, int32 tables and
-    lengths."""
+):
+    """The compiled kernel for this call, or None where it does not take it: it takes an FP8 cache on
+    CUDA (sm_89 and up: the e4m3 conversions) whose blocks hold whole 16-key tiles, head_dim 64 or 128,
+    at most 8 query heads per KV head, 16-byte aligned rows, int32 tables and lengths. ``tiling``: (tiles
+    in flight, register cap or None)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
     strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
-    return (
+    supported = (
         query.is_cuda
         and k_cache.dtype == FP8_DTYPE
         and head_dim in (64, 128)
@@ -396,9 +397,16 @@ def supports(
         and all(stride % 16 == 0 for stride in strides)
         and k_cache.data_ptr() % 16 == 0
         and v_cache.data_ptr() % 16 == 0
-        and torch.cuda.get_device_capability(query.device) >= (8, 9)  # e4m3 conversions: sm_89 and up
-        and _compiled(query, head_dim, block_size, out.dtype, tiling) is not None
     )
+    if not supported:
+        return None
+    major, minor = torch.cuda.get_device_capability(query.device)
+    if (major, minor) < (8, 9):
+        return None
+    depth, max_registers = tiling
+    min_blocks = 65536 // (32 * max_registers) if max_registers else 1
+    codes = (_FLOAT_CODES[query.dtype], _FLOAT_CODES[out.dtype])
+    return _kernel(head_dim, block_size, *codes, depth, min_blocks, 10 * major + minor)
 
 
 @functools.cache
@@ -454,16 +462,8 @@ def _nvrtc_compile(nvrtc, name: str, arch: int) -> tuple[bytes, str]:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-def _compiled(query: torch.Tensor, head_dim: int, block_size: int, out_dtype: torch.dtype, tiling: tuple):
-    """``tiling``: (tiles in flight, register cap or None)."""
-    depth, max_registers = tiling
-    min_blocks = 65536 // (32 * max_registers) if max_registers else 1
-    major, minor = torch.cuda.get_device_capability(query.device)
-    codes = (_FLOAT_CODES[query.dtype], _FLOAT_CODES[out_dtype])
-    return _kernel(head_dim, block_size, *codes, depth, min_blocks, 10 * major + minor)
-
-
 def launch(
+    kernel,
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -476,13 +476,11 @@ def launch(
     num_splits: int,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-    tiling: tuple = (2, None),
 ) -> None:
-    """The first of balanced mode's two launches (``triton_attention._launch_decode`` merges); the
-    caller has checked :func:`supports` and the shapes. Capturable in a CUDA graph."""
-    batch, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    kernel = _compiled(query, head_dim, block_size, out.dtype, tiling)
+    """The first of balanced mode's two launches (``triton_attention._launch_decode`` merges), with the
+    ``kernel`` that :func:`kernel_for` gave for this call. Capturable in a CUDA graph."""
+    batch, num_heads, _ = query.shape
+    num_kv_heads = k_cache.shape[2]
     args = [
         query,
         k_cache,

@@ -100,7 +100,8 @@ MERGE_KERNEL_DECODE = DecodeConfig(mode="merge_kernel")
 # One launch, but slower at the batches that split (H200, 4096-wide tables, PDL: 9.8 against 7.9 us per
 # layer at batch 1 x 600, 15.0 against 11.2 at batch 8).
 FUSED_DECODE = DecodeConfig()
-# Against an FP8 cache, once the grid holds a program per SM: 16-key one-warp tiles capped at 128
+# Triton's tiles against an FP8 cache once the grid holds a program per SM (FP8_CUDA_DECODE's fallback,
+# and its splits): 16-key one-warp tiles capped at 128
 # registers per thread (220 without the cap: 9 programs per SM; 16 with it, 24 bytes spilled), in
 # balanced mode, split towards 64 programs per SM (at most 16 splits). Those small programs fill the GPU
 # in one wave, so unsplit a step waits for its longest sequence. Over the bench workload's mixed lengths
@@ -117,6 +118,9 @@ FP8_BALANCED_DECODE = DecodeConfig(
     target_programs_per_sm=64,
     max_splits=16,
 )
+# The same splits with cuda_decode's kernel, two tiles in flight, registers uncapped (H100, the bench
+# workload's mixed lengths: 145.0 against 167.3 us per layer at batch 256, 76.4 against 90.2 at 64; the
+# workload 28,169 against 25,373 tok/s; three tiles or 128 registers lost; docs/benchmarks.md, run 72).
 FP8_CUDA_DECODE = replace(FP8_BALANCED_DECODE, kernel="cuda", num_stages=2, max_registers=None)
 
 
@@ -650,7 +654,7 @@ def default_decode_config(
     (fewer than 3 programs per SM) merges them in a second kernel, whatever the cache's dtype (H200,
     Qwen3-0.6B shape, 4096-wide tables, PDL: 7.9 against 9.8 us per layer for the fused merge at batch
     1 x 600, 11.2 against 15.0 at batch 8); against an FP8 cache, a grid of a program per SM or more:
-    ``FP8_BALANCED_DECODE``. bf16's 64-key four-warp tiles, unsplit from 3 programs per SM, run at
+    ``FP8_CUDA_DECODE``. bf16's 64-key four-warp tiles, unsplit from 3 programs per SM, run at
     3.8-4.0 TB/s on the bench workload's mixed lengths, which no balanced variant beat."""
     programs = batch * num_kv_heads
     if cache_dtype == FP8_DTYPE and programs >= num_sms:
@@ -822,14 +826,17 @@ def _launch_decode(
     block_s = triton.next_power_of_2(config.max_splits)
     options = launch_options(pdl, query.device)
     register_cap = {"maxnreg": config.max_registers} if config.max_registers else {}
-    if config.kernel == "cuda" and _cuda_decode().supports(
-        query, k_cache, v_cache, out, block_tables, seq_lens, (config.num_stages, config.max_registers)
-    ):
+    cuda_kernel = None
+    if config.kernel == "cuda":
+        cuda_kernel = _cuda_decode().kernel_for(
+            query, k_cache, v_cache, out, block_tables, seq_lens, (config.num_stages, config.max_registers)
+        )
+    if cuda_kernel is not None:
         # Launched without PDL: it starts once the previous kernel has finished, and the merge kernel's
         # wait covers it.
         _cuda_decode().launch(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, out, partial_out, partial_lse,
-            num_splits, k_scale, v_scale, (config.num_stages, config.max_registers),
+            cuda_kernel, query, k_cache, v_cache, block_tables, seq_lens, scale, out, partial_out,
+            partial_lse, num_splits, k_scale, v_scale,
         )  # fmt: skip
     else:
         _decode_kernel[(batch, num_kv_heads, num_splits)](

@@ -148,13 +148,13 @@ def test_cuda_kernel_takes_only_calls_it_supports():
     tables = torch.zeros(3, 4, dtype=torch.int32)
     lens = torch.zeros(3, dtype=torch.int32)
     # On the CPU (as on CI) the Triton kernel takes every call.
-    assert not cuda_decode.supports(query, fp8, fp8, query, tables, lens)
+    assert cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens) is None
     if DEVICE == "cuda":
         on = {"device": "cuda"}
         fp8, query, tables, lens = (t.to(**on) for t in (fp8, query, tables, lens))
-        assert cuda_decode.supports(query, fp8, fp8, query, tables, lens)
+        assert cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens) is not None
         bf16 = fp8.to(torch.bfloat16)
-        assert not cuda_decode.supports(query, bf16, bf16, query, tables, lens)
-        assert not cuda_decode.supports(query, fp8, fp8, query, tables.long(), lens)
+        assert cuda_decode.kernel_for(query, bf16, bf16, query, tables, lens) is None
+        assert cuda_decode.kernel_for(query, fp8, fp8, query, tables.long(), lens) is None
         small_blocks = torch.zeros(8, 8, 2, 128, device="cuda").to(FP8_DTYPE)
-        assert not cuda_decode.supports(query, small_blocks, small_blocks, query, tables, lens)
+        assert cuda_decode.kernel_for(query, small_blocks, small_blocks, query, tables, lens) is None
