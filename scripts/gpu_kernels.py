@@ -1224,12 +1224,12 @@ def time_decode_mixed(gen, quick):
 def time_decode_fp8_kernels(gen, quick):
     """The FP8 decode kernels side by side: Triton's balanced one-warp tiles (``FP8_BALANCED_DECODE``)
     against ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight, split targets of
-    32 or 64 programs per SM, registers capped at 128 (16 warps per SM) or not,
+    32, 64 or 128 programs per SM, registers capped at 128 (16 warps per SM) or not,
     over the bench workload's mixed lengths (4096-token tables) and uniform 64 / 256 x 1024; every
     output checked against the reference; CUDA-graph replay, PDL on as in the engine."""
     res = {}
     variants = {"triton": K.attn.FP8_BALANCED_DECODE}
-    for depth, target, registers in ((2, 32, None), (2, 64, None), (3, 64, None), (2, 32, 128), (2, 64, 128)):
+    for depth, target, registers in ((2, 32, None), (2, 64, None), (2, 128, None), (3, 64, None), (2, 64, 128)):
         config = replace(
             K.attn.FP8_CUDA_DECODE, target_programs_per_sm=target, num_stages=depth, max_registers=registers
         )

@@ -622,7 +622,9 @@ def step_time_summary(
 
 
 def _kernel_category(name: str) -> str:
-    if any(k in name for k in ("attention", "_decode_", "_prefill_", "merge", "lse", "kvcache")):
+    if any(
+        k in name for k in ("attention", "_decode_", "paged_decode", "_prefill_", "merge", "lse", "kvcache")
+    ):
         return "attention"
     if any(k in name for k in ("gemm", "nvjet", "cutlass", "matmul", "sm90", "gemv", "splitk")):
         return "gemm"

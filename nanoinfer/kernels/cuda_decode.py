@@ -20,10 +20,11 @@ the MMA's 8-wide side:
 Key order inside a 16-key tile is a permutation shared by both products (lane rows of S^T are keys 2g
 and 2g+1, the P^T operand's rows are keys 4c..4c+3), so no data is moved to match them.
 
-The kernel writes the same outputs as ``triton_attention``'s balanced mode (split lengths in 16-key
-tiles from the batch's longest sequence; a sequence using one split writes its output, the others write
-normalised partials and log2-sum-exps for ``_decode_merge_kernel``). ``attention_ref`` is its reference;
-the GPU tests (``tests/kernels/test_cuda_decode.py``) compare them.
+The kernel splits as ``triton_attention``'s balanced mode does (split lengths in 16-key tiles from the
+batch's longest sequence; a sequence using one split writes its output, the others write normalised
+partials and log2-sum-exps), and the last split of a (sequence, KV head) to finish merges them, so no
+merge kernel runs after it. ``attention_ref`` is its reference; the GPU tests
+(``tests/kernels/test_cuda_decode.py``) compare them.
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ __device__ __forceinline__ uint4 load_16(const unsigned char* p) {
     uint4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// Partials written by other warps of this grid: read from L2 (.cg), never from a stale L1 line.
+__device__ __forceinline__ float load_cg(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
     return r;
 }
 
@@ -241,6 +249,50 @@ __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD 
     }
 }
 
+// The split that finishes last for its (sequence, KV head) merges the group's partials: the log2-sum-exp
+// weighted sum of every used split's normalised output, as ``_decode_merge_kernel`` does, so no second
+// kernel runs. The counter (zero before the call) counts the splits done and is zero again after it.
+template <int HD, int OT>
+__device__ __forceinline__ void merge_if_last(void* out, float* partial_out, const float* partial_lse,
+                                              int* counters, int seq, int kv_head, int group, int num_heads,
+                                              int num_splits, int used_splits, int stride_ob, int stride_oh,
+                                              int lane) {
+    constexpr int DIMS = HD / 32;  // per lane: dims DIMS * lane ...
+    // Release: this warp's partials are visible to whichever split merges before it counts itself.
+    __threadfence();
+    __syncwarp();
+    int* counter = counters + (long long)seq * gridDim.y + kv_head;
+    int done = 0;
+    if (lane == 0) done = atomicAdd(counter, 1);
+    done = __shfl_sync(0xffffffffu, done, 0);
+    if (done != used_splits - 1) return;
+    __threadfence();  // acquire: the other splits' partials
+    const float neg_inf = __int_as_float(0xff800000);
+    for (int query_row = 0; query_row < group; ++query_row) {
+        const int head = kv_head * group + query_row;
+        const long long first = ((long long)seq * num_heads + head) * num_splits;
+        float lse_max = neg_inf;
+        for (int s = 0; s < used_splits; ++s) lse_max = fmaxf(lse_max, load_cg(partial_lse + first + s));
+        const float shift = lse_max == neg_inf ? 0.f : lse_max;
+        float total = 0.f;
+        float sum[DIMS];
+        #pragma unroll
+        for (int e = 0; e < DIMS; ++e) sum[e] = 0.f;
+        for (int s = 0; s < used_splits; ++s) {
+            const float weight = fast_exp2(load_cg(partial_lse + first + s) - shift);
+            total += weight;
+            const float* part = partial_out + (first + s) * HD + DIMS * lane;
+            #pragma unroll
+            for (int e = 0; e < DIMS; ++e) sum[e] += weight * load_cg(part + e);
+        }
+        const float norm = 1.f / (total > 0.f ? total : 1.f);
+        const long long o = (long long)seq * stride_ob + (long long)head * stride_oh + DIMS * lane;
+        #pragma unroll
+        for (int e = 0; e < DIMS; ++e) store_float<OT>(out, o + e, sum[e] * norm);
+    }
+    if (lane == 0) *counter = 0;
+}
+
 // Grid (batch, num_kv_heads, num_splits), one warp per block. Balanced splits: one split length for the
 // batch, its longest sequence over num_splits in whole 16-key tiles. DEPTH tiles in flight: each tile's
 // loads are issued DEPTH - 1 tiles before its arithmetic. MIN_BLOCKS: warps per SM the registers must
@@ -248,10 +300,11 @@ __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD 
 template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const void* query, const unsigned char* k_cache, const unsigned char* v_cache, const int* block_tables,
-    const int* seq_lens, void* out, float* partial_out, float* partial_lse, const float* k_scale,
-    const float* v_scale, double scale_log2, int group, int num_splits, int batch, int stride_qb,
-    int stride_qh, int stride_kcb, int stride_kcs, int stride_kch, int stride_vcb, int stride_vcs,
-    int stride_vch, int stride_bt, int stride_ob, int stride_oh, int has_k_scale, int has_v_scale) {
+    const int* seq_lens, void* out, float* partial_out, float* partial_lse, int* counters,
+    const float* k_scale, const float* v_scale, double scale_log2, int group, int num_splits, int batch,
+    int stride_qb, int stride_qh, int stride_kcb, int stride_kcs, int stride_kch, int stride_vcb,
+    int stride_vcs, int stride_vch, int stride_bt, int stride_ob, int stride_oh, int has_k_scale,
+    int has_v_scale) {
     constexpr int CHUNKS = HD / 64;
     const int seq = blockIdx.x;
     const int kv_head = blockIdx.y;
@@ -364,6 +417,8 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
             if (g == 0) partial_lse[row] = has_keys ? m[parity] + __log2f(l[parity]) : neg_inf;
         }
     }
+    if (used_splits > 1) merge_if_last<HD, OT>(out, partial_out, partial_lse, counters, seq, kv_head, group,
+                                             num_heads, num_splits, used_splits, stride_ob, stride_oh, lane);
 }
 """
 
@@ -473,12 +528,14 @@ def launch(
     out: torch.Tensor,
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
+    counters: torch.Tensor,
     num_splits: int,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
 ) -> None:
-    """The first of balanced mode's two launches (``triton_attention._launch_decode`` merges), with the
-    ``kernel`` that :func:`kernel_for` gave for this call. Capturable in a CUDA graph."""
+    """Balanced-mode decode with the ``kernel`` that :func:`kernel_for` gave for this call, its splits
+    merged in the same launch (``counters``: int32 zeros, one per (sequence, KV head), zeros again after
+    the call; unused with one split). Capturable in a CUDA graph."""
     batch, num_heads, _ = query.shape
     num_kv_heads = k_cache.shape[2]
     args = [
@@ -490,6 +547,7 @@ def launch(
         out,
         partial_out,
         partial_lse,
+        counters,
         k_scale if k_scale is not None else partial_lse,
         v_scale if v_scale is not None else partial_lse,
         scale * _LOG2E,

@@ -86,3 +86,11 @@ def test_decode_profiles_of_one_engine_never_hit_the_prefix_cache(tmp_path):
         assert again["cached_prompt_tokens"] > 0
     finally:
         llm.close()
+
+
+def test_kernel_categories_name_every_decode_attention_kernel():
+    # The profile's attention share must count the CUDA FP8 decode kernel (a template instantiation).
+    for name in ("void fp8_paged_decode<128, 16, 0, 0, 2, 1>(void const*, un", "_decode_kernel"):
+        assert throughput._kernel_category(name.lower()) == "attention"
+    assert throughput._kernel_category("nvjet_sm90_tst_96x128_64x7_2x1_v_bz_tnn") == "gemm"
+    assert throughput._kernel_category("_gumbel_chunk_kernel") == "sampler_and_reductions"

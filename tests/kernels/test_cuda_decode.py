@@ -127,6 +127,8 @@ def test_cuda_fp8_decode_replays_in_a_cuda_graph():
     ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, 0.088, *scales)
     assert rel_error(out, ref) < 1e-2
     assert not torch.equal(out, eager)
+    # The last split of each (sequence, KV head) merged and reset its counter for the next call.
+    assert workspace.counters.count_nonzero() == 0
 
 
 def test_cuda_kernel_config_needs_balanced_sixteen_key_tiles():
