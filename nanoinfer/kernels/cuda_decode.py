@@ -87,13 +87,6 @@ __device__ __forceinline__ uint4 load_16(const unsigned char* p) {
     return r;
 }
 
-// Partials written by other warps of this grid: read from L2 (.cg), never from a stale L1 line.
-__device__ __forceinline__ float load_cg(const float* p) {
-    float r;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
-    return r;
-}
-
 __device__ __forceinline__ uint2 load_8(const unsigned char* p) {
     uint2 r;
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
@@ -252,38 +245,84 @@ __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD 
 // The split that finishes last for its (sequence, KV head) merges the group's partials: the log2-sum-exp
 // weighted sum of every used split's normalised output, as ``_decode_merge_kernel`` does, so no second
 // kernel runs. The counter (zero before the call) counts the splits done and is zero again after it.
+// The merge is on the kernel's critical path (the last split of the grid runs it after its own tiles),
+// so each query head's partials are read MERGE_SPLITS at a time with all their loads in flight at once.
+constexpr int MERGE_SPLITS = 16;
+
+// DIMS (2 or 4) consecutive floats in one vector load from L2: the partials are written by other warps of
+// this grid, so never read through L1.
+template <int DIMS> __device__ __forceinline__ void load_dims_cg(const float* p, float (&v)[DIMS]);
+template <> __device__ __forceinline__ void load_dims_cg<2>(const float* p, float (&v)[2]) {
+    const float2 r = __ldcg((const float2*)p);
+    v[0] = r.x;
+    v[1] = r.y;
+}
+template <> __device__ __forceinline__ void load_dims_cg<4>(const float* p, float (&v)[4]) {
+    const float4 r = __ldcg((const float4*)p);
+    v[0] = r.x;
+    v[1] = r.y;
+    v[2] = r.z;
+    v[3] = r.w;
+}
+
+// Release (before a split counts itself done) and acquire (before the last one reads the others'
+// partials); acq_rel is all this pattern needs, cheaper than __threadfence's sequentially consistent
+// fence.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 template <int HD, int OT>
-__device__ __forceinline__ void merge_if_last(void* out, float* partial_out, const float* partial_lse,
+__device__ __forceinline__ void merge_if_last(void* out, const float* partial_out, const float* partial_lse,
                                               int* counters, int seq, int kv_head, int group, int num_heads,
                                               int num_splits, int used_splits, int stride_ob, int stride_oh,
                                               int lane) {
-    constexpr int DIMS = HD / 32;  // per lane: dims DIMS * lane ...
+    constexpr int DIMS = HD / 32;  // per lane: dims DIMS * lane ... DIMS * lane + DIMS - 1
     // Release: this warp's partials are visible to whichever split merges before it counts itself.
-    __threadfence();
+    fence_acq_rel_gpu();
     __syncwarp();
     int* counter = counters + (long long)seq * gridDim.y + kv_head;
     int done = 0;
     if (lane == 0) done = atomicAdd(counter, 1);
     done = __shfl_sync(0xffffffffu, done, 0);
     if (done != used_splits - 1) return;
-    __threadfence();  // acquire: the other splits' partials
+    fence_acq_rel_gpu();  // acquire: the other splits' partials
     const float neg_inf = __int_as_float(0xff800000);
     for (int query_row = 0; query_row < group; ++query_row) {
         const int head = kv_head * group + query_row;
         const long long first = ((long long)seq * num_heads + head) * num_splits;
-        float lse_max = neg_inf;
-        for (int s = 0; s < used_splits; ++s) lse_max = fmaxf(lse_max, load_cg(partial_lse + first + s));
-        const float shift = lse_max == neg_inf ? 0.f : lse_max;
-        float total = 0.f;
-        float sum[DIMS];
+        float running_max = neg_inf, total = 0.f, sum[DIMS];
         #pragma unroll
         for (int e = 0; e < DIMS; ++e) sum[e] = 0.f;
-        for (int s = 0; s < used_splits; ++s) {
-            const float weight = fast_exp2(load_cg(partial_lse + first + s) - shift);
-            total += weight;
-            const float* part = partial_out + (first + s) * HD + DIMS * lane;
+        for (int base = 0; base < used_splits; base += MERGE_SPLITS) {
+            float lse[MERGE_SPLITS], part[MERGE_SPLITS][DIMS];
             #pragma unroll
-            for (int e = 0; e < DIMS; ++e) sum[e] += weight * load_cg(part + e);
+            for (int s = 0; s < MERGE_SPLITS; ++s) {
+                const bool used = base + s < used_splits;
+                lse[s] = used ? __ldcg(partial_lse + first + base + s) : neg_inf;
+                const float* row = partial_out + (first + base + s) * HD + DIMS * lane;
+                if (used) {
+                    load_dims_cg<DIMS>(row, part[s]);
+                } else {
+                    #pragma unroll
+                    for (int e = 0; e < DIMS; ++e) part[s][e] = 0.f;
+                }
+            }
+            float chunk_max = running_max;
+            #pragma unroll
+            for (int s = 0; s < MERGE_SPLITS; ++s) chunk_max = fmaxf(chunk_max, lse[s]);
+            // An empty split's -inf (or every split's) weighs 0: exp2 of -inf, never of NaN.
+            const float shift = chunk_max == neg_inf ? 0.f : chunk_max;
+            const float rescale = fast_exp2(running_max - shift);
+            total *= rescale;
+            #pragma unroll
+            for (int e = 0; e < DIMS; ++e) sum[e] *= rescale;
+            #pragma unroll
+            for (int s = 0; s < MERGE_SPLITS; ++s) {
+                const float weight = fast_exp2(lse[s] - shift);
+                total += weight;
+                #pragma unroll
+                for (int e = 0; e < DIMS; ++e) sum[e] += weight * part[s][e];
+            }
+            running_max = chunk_max;
         }
         const float norm = 1.f / (total > 0.f ? total : 1.f);
         const long long o = (long long)seq * stride_ob + (long long)head * stride_oh + DIMS * lane;
