@@ -22,8 +22,8 @@ and 2g+1, the P^T operand's rows are keys 4c..4c+3), so no data is moved to matc
 
 The kernel splits as ``triton_attention``'s balanced mode does (split lengths in 16-key tiles from the
 batch's longest sequence; a sequence using one split writes its output, the others write normalised
-partials and log2-sum-exps), and the last split of a (sequence, KV head) to finish merges them, so no
-merge kernel runs after it. ``attention_ref`` is its reference; the GPU tests
+partials and log2-sum-exps), and up to 8 splits the last split of a (sequence, KV head) to finish
+merges them, so no merge kernel runs after it. ``attention_ref`` is its reference; the GPU tests
 (``tests/kernels/test_cuda_decode.py``) compare them.
 """
 
@@ -40,6 +40,12 @@ from nanoinfer.kernels.attention_ref import FP8_DTYPE
 logger = logging.getLogger(__name__)
 
 TILE_KEYS = 16
+# Split counts the kernel merges itself (the last split of a (sequence, KV head) does it). With more,
+# each split holds few tiles and the merge on the grid's last warps costs more than the merge kernel
+# (H100, the bench workload's mixed lengths, us per layer: 4 splits at batch 256 138.9 against 145.6
+# with the merge kernel, 8 at 128 117.2 against 118.3, 16 at 64 78.6 against 76.6; docs/benchmarks.md,
+# run 76).
+MERGE_IN_KERNEL_MAX_SPLITS = 8
 _LOG2E = 1.4426950408889634
 # The float types the kernel reads queries in and writes outputs in (its QT / OT template arguments).
 _FLOAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -333,9 +339,10 @@ __device__ __forceinline__ void merge_if_last(void* out, const float* partial_ou
 }
 
 // Grid (batch, num_kv_heads, num_splits), one warp per block. Balanced splits: one split length for the
-// batch, its longest sequence over num_splits in whole 16-key tiles. DEPTH tiles in flight: each tile's
-// loads are issued DEPTH - 1 tiles before its arithmetic. MIN_BLOCKS: warps per SM the registers must
-// leave room for (ptxas spills what does not fit).
+// batch, its longest sequence over num_splits in whole 16-key tiles. merge_splits: the splits are merged
+// here (else _decode_merge_kernel merges them). DEPTH tiles in flight: each tile's loads are issued
+// DEPTH - 1 tiles before its arithmetic. MIN_BLOCKS: warps per SM the registers must leave room for
+// (ptxas spills what does not fit).
 template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const void* query, const unsigned char* k_cache, const unsigned char* v_cache, const int* block_tables,
@@ -343,7 +350,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const float* k_scale, const float* v_scale, double scale_log2, int group, int num_splits, int batch,
     int stride_qb, int stride_qh, int stride_kcb, int stride_kcs, int stride_kch, int stride_vcb,
     int stride_vcs, int stride_vch, int stride_bt, int stride_ob, int stride_oh, int has_k_scale,
-    int has_v_scale) {
+    int has_v_scale, int merge_splits) {
     constexpr int CHUNKS = HD / 64;
     const int seq = blockIdx.x;
     const int kv_head = blockIdx.y;
@@ -456,8 +463,10 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
             if (g == 0) partial_lse[row] = has_keys ? m[parity] + __log2f(l[parity]) : neg_inf;
         }
     }
-    if (used_splits > 1) merge_if_last<HD, OT>(out, partial_out, partial_lse, counters, seq, kv_head, group,
-                                             num_heads, num_splits, used_splits, stride_ob, stride_oh, lane);
+    if (used_splits > 1 && merge_splits) {
+        merge_if_last<HD, OT>(out, partial_out, partial_lse, counters, seq, kv_head, group, num_heads,
+                              num_splits, used_splits, stride_ob, stride_oh, lane);
+    }
 }
 """
 
@@ -571,12 +580,14 @@ def launch(
     num_splits: int,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-) -> None:
-    """Balanced-mode decode with the ``kernel`` that :func:`kernel_for` gave for this call, its splits
-    merged in the same launch (``counters``: int32 zeros, one per (sequence, KV head), zeros again after
-    the call; unused with one split). Capturable in a CUDA graph."""
+) -> bool:
+    """Balanced-mode decode with the ``kernel`` that :func:`kernel_for` gave for this call. Up to
+    ``MERGE_IN_KERNEL_MAX_SPLITS`` splits are merged in the same launch (``counters``: int32 zeros, one per
+    (sequence, KV head), zeros again after the call); returns False where the caller must still merge
+    them (``_decode_merge_kernel``). Capturable in a CUDA graph."""
     batch, num_heads, _ = query.shape
     num_kv_heads = k_cache.shape[2]
+    merges = num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
     args = [
         query,
         k_cache,
@@ -602,5 +613,7 @@ def launch(
         out.stride(1),
         int(k_scale is not None),
         int(v_scale is not None),
+        int(merges),
     ]
     kernel(grid=(batch, num_kv_heads, num_splits), block=(32, 1, 1), args=args)
+    return merges

@@ -54,9 +54,9 @@ class DecodeConfig:
     ``max_splits``; in balanced mode at least ``min_splits``, however full the grid. ``max_registers``:
     a cap on the registers per thread (ptxas spills the rest), so that more programs fit on a
     multiprocessor (CUDA only; None: the compiler's choice). ``kernel="cuda"``: balanced mode's splits
-    in one launch of ``cuda_decode``'s kernel, which merges them itself (FP8 caches with 16-key tiles,
+    run ``cuda_decode``'s kernel, which merges up to 8 splits itself (FP8 caches with 16-key tiles,
     ``num_stages`` of them in flight; a call it does not support runs the Triton kernel with the same
-    splits and the merge kernel).
+    splits).
     """
 
     mode: str = "fused"
@@ -832,48 +832,48 @@ def _launch_decode(
         cuda_kernel = _cuda_decode().kernel_for(
             query, k_cache, v_cache, out, block_tables, seq_lens, (config.num_stages, config.max_registers)
         )
+    merged = False
     if cuda_kernel is not None:
-        # Launched without PDL (it starts once the previous kernel has finished); it merges its own
-        # splits.
-        _cuda_decode().launch(
+        # Launched without PDL: it starts once the previous kernel has finished.
+        merged = _cuda_decode().launch(
             cuda_kernel, query, k_cache, v_cache, block_tables, seq_lens, scale, out, partial_out,
             partial_lse, counters, num_splits, k_scale, v_scale,
         )  # fmt: skip
-        return
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        out,
-        partial_out,
-        partial_lse,
-        counters,
-        scale_log2=scale * _LOG2E,
-        group=group,
-        num_splits=num_splits,
-        stride_qb=query.stride(0),
-        stride_qh=query.stride(1),
-        **_cache_strides(k_cache, v_cache),
-        stride_bt=block_tables.stride(0),
-        stride_ob=out.stride(0),
-        stride_oh=out.stride(1),
-        BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim,
-        BLOCK_G=_group_block(group),
-        BLOCK_N=config.block_n,
-        BLOCK_S=block_s,
-        MODE=mode,
-        MIN_SPLIT_TILES=config.min_split_tiles,
-        USE_PDL=pdl,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **_scale_args(k_scale, v_scale, out),
-        **options,
-        **register_cap,
-    )
-    if mode in (_MODE_MERGE_KERNEL.value, _MODE_BALANCED.value):
+    else:
+        _decode_kernel[(batch, num_kv_heads, num_splits)](
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            out,
+            partial_out,
+            partial_lse,
+            counters,
+            scale_log2=scale * _LOG2E,
+            group=group,
+            num_splits=num_splits,
+            stride_qb=query.stride(0),
+            stride_qh=query.stride(1),
+            **_cache_strides(k_cache, v_cache),
+            stride_bt=block_tables.stride(0),
+            stride_ob=out.stride(0),
+            stride_oh=out.stride(1),
+            BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=head_dim,
+            BLOCK_G=_group_block(group),
+            BLOCK_N=config.block_n,
+            BLOCK_S=block_s,
+            MODE=mode,
+            MIN_SPLIT_TILES=config.min_split_tiles,
+            USE_PDL=pdl,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            **_scale_args(k_scale, v_scale, out),
+            **options,
+            **register_cap,
+        )
+    if mode in (_MODE_MERGE_KERNEL.value, _MODE_BALANCED.value) and not merged:
         _decode_merge_kernel[(batch, num_heads)](
             partial_out,
             partial_lse,
