@@ -44,7 +44,7 @@ TILE_KEYS = 16
 # each split holds few tiles and the merge on the grid's last warps costs more than the merge kernel
 # (H100, the bench workload's mixed lengths, us per layer: 4 splits at batch 256 138.9 against 145.6
 # with the merge kernel, 8 at 128 117.2 against 118.3, 16 at 64 78.6 against 76.6; docs/benchmarks.md,
-# run 76).
+# run 77).
 MERGE_IN_KERNEL_MAX_SPLITS = 8
 _LOG2E = 1.4426950408889634
 # The float types the kernel reads queries in and writes outputs in (its QT / OT template arguments).

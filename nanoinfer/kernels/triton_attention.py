@@ -121,7 +121,8 @@ FP8_BALANCED_DECODE = DecodeConfig(
 )
 # The same splits with cuda_decode's kernel, two tiles in flight, registers uncapped (H100, the bench
 # workload's mixed lengths: 145.0 against 167.3 us per layer at batch 256, 76.4 against 90.2 at 64; the
-# workload 28,169 against 25,373 tok/s; three tiles or 128 registers lost; docs/benchmarks.md, run 72).
+# workload 28,169 against 25,373 tok/s; three tiles or 128 registers lost; docs/benchmarks.md, run 72),
+# merging up to 8 splits in the same launch (the workload 28,600-28,700 against 28,100-28,200, run 78).
 FP8_CUDA_DECODE = replace(FP8_BALANCED_DECODE, kernel="cuda", num_stages=2, max_registers=None)
 
 
