@@ -1229,7 +1229,8 @@ def time_decode_fp8_kernels(gen, quick):
     output checked against the reference; CUDA-graph replay, PDL on as in the engine."""
     res = {}
     variants = {"triton": K.attn.FP8_BALANCED_DECODE}
-    for depth, target, registers in ((2, 32, None), (2, 64, None), (2, 128, None), (3, 64, None), (2, 64, 128)):
+    tilings = ((2, 32, None), (2, 64, None), (2, 128, None), (3, 64, None), (2, 64, 128))
+    for depth, target, registers in tilings:
         config = replace(
             K.attn.FP8_CUDA_DECODE, target_programs_per_sm=target, num_stages=depth, max_registers=registers
         )
