@@ -22,9 +22,9 @@ and 2g+1, the P^T operand's rows are keys 4c..4c+3), so no data is moved to matc
 
 The kernel splits as ``triton_attention``'s balanced mode does (split lengths in 16-key tiles from the
 batch's longest sequence; a sequence using one split writes its output, the others write normalised
-partials and log2-sum-exps), and up to 8 splits the last split of a (sequence, KV head) to finish
-merges them, so no merge kernel runs after it. ``attention_ref`` is its reference; the GPU tests
-(``tests/kernels/test_cuda_decode.py``) compare them.
+partials and log2-sum-exps), and up to ``MERGE_IN_KERNEL_MAX_SPLITS`` splits the last split of a
+(sequence, KV head) to finish merges them, so no merge kernel runs after it. ``attention_ref`` is its
+reference; the GPU tests (``tests/kernels/test_cuda_decode.py``) compare them.
 """
 
 from __future__ import annotations

@@ -54,9 +54,9 @@ class DecodeConfig:
     ``max_splits``; in balanced mode at least ``min_splits``, however full the grid. ``max_registers``:
     a cap on the registers per thread (ptxas spills the rest), so that more programs fit on a
     multiprocessor (CUDA only; None: the compiler's choice). ``kernel="cuda"``: balanced mode's splits
-    run ``cuda_decode``'s kernel, which merges up to 8 splits itself (FP8 caches with 16-key tiles,
-    ``num_stages`` of them in flight; a call it does not support runs the Triton kernel with the same
-    splits).
+    run ``cuda_decode``'s kernel, which merges up to ``cuda_decode.MERGE_IN_KERNEL_MAX_SPLITS`` splits
+    itself (FP8 caches with 16-key tiles, ``num_stages`` of them in flight; a call it does not support
+    runs the Triton kernel with the same splits).
     """
 
     mode: str = "fused"
@@ -122,7 +122,8 @@ FP8_BALANCED_DECODE = DecodeConfig(
 # The same splits with cuda_decode's kernel, two tiles in flight, registers uncapped (H100, the bench
 # workload's mixed lengths: 145.0 against 167.3 us per layer at batch 256, 76.4 against 90.2 at 64; the
 # workload 28,169 against 25,373 tok/s; three tiles or 128 registers lost; docs/benchmarks.md, run 72),
-# merging up to 8 splits in the same launch (the workload 28,600-28,700 against 28,100-28,200, run 78).
+# merging its splits in the same launch where it may (the workload 28,600-28,700 against
+# 28,100-28,200, run 78).
 FP8_CUDA_DECODE = replace(FP8_BALANCED_DECODE, kernel="cuda", num_stages=2, max_registers=None)
 
 
