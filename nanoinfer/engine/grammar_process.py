@@ -128,8 +128,10 @@ class GrammarProcesses:
             self._pinned = int(status) == 0
             if not self._pinned:
                 logger.warning("the grammar bitmask could not be pinned (%s): its copies will wait", status)
-        # The grammar libraries' threads (the batched fill's, the compiler's) of each process: the
-        # processes fill at once, so they share the host's cores instead of each taking most of them.
+        # The batched fill's threads of each process: the processes fill at once, so they share the
+        # host's cores instead of each taking most of them. A compile, rare and not at once in every
+        # process, takes all of them (with one thread each, eight processes on the H100's 16-core host
+        # took about 2 s to compile the engine benchmark's schema; run 73).
         self._num_threads = max(1, default_num_threads() // num_processes)
         self.processes = [self._start() for _ in range(num_processes)]
         # The compiles that processes which have since exited were running, answered as failed.

@@ -306,6 +306,10 @@ class GrammarCompiler:
     "llguidance" uses llguidance only; "xgrammar" compiles every JSON schema with xgrammar, unchecked
     (tests). Regexes, choices and grammars are llguidance's in every mode.
 
+    ``num_threads``: the mask fill's threads; ``compile_threads``: xgrammar's compiler's (a new schema
+    compiles on all of them: several grammar processes that fill on a few threads each still compile
+    fast). Both default to ``default_num_threads()``.
+
     Building it takes up to about a second for a 150k vocabulary (llguidance's token trie); do it once
     per engine. xgrammar's tokenizer info (about 0.3 s more) is built by the first JSON schema.
     """
@@ -317,6 +321,7 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int] | None = None,
         num_threads: int | None = None,
         backend: str = "auto",
+        compile_threads: int | None = None,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -349,6 +354,7 @@ class GrammarCompiler:
         self.special_tokens = frozenset(added[token_id].content for token_id in self._special_token_ids)
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         self._num_threads = num_threads
+        self._compile_threads = compile_threads
         self._executor: llguidance.LLExecutor | None = None
         self._xgrammar: XGrammarCompiler | None = None
         self._xgrammar_lock = threading.Lock()
@@ -471,6 +477,7 @@ class GrammarCompiler:
                         special_token_ids=self._special_token_ids,
                         num_threads=self._num_threads,
                         tokenize=self._tokenizer.tokenize_str,
+                        compile_threads=self._compile_threads,
                     )
                 except Exception as e:  # noqa: BLE001 (not installed, or not working as expected)
                     if self.backend == "xgrammar":

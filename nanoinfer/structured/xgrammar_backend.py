@@ -383,6 +383,8 @@ class XGrammarCompiler:
     added tokens); xgrammar would otherwise let a string contain them as their text.
     ``tokenize``: a text's tokens as the tokenizer writes them (``llguidance.LLTokenizer.tokenize_str``),
     for ``canonical_forced_token``.
+    ``num_threads``: the batched fill's threads (at most ``MAX_FILL_THREADS``); ``compile_threads``: the
+    compiler's. Both default to ``default_num_threads()``.
     """
 
     def __init__(
@@ -393,6 +395,7 @@ class XGrammarCompiler:
         special_token_ids: Iterable[int] = (),
         num_threads: int | None = None,
         tokenize: Callable[[str], list[int]] | None = None,
+        compile_threads: int | None = None,
     ):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -419,7 +422,7 @@ class XGrammarCompiler:
         self.num_threads = num_threads or default_num_threads()
         self._compiler = xgrammar.GrammarCompiler(
             info,
-            max_threads=self.num_threads,
+            max_threads=compile_threads or default_num_threads(),
             cache_enabled=True,
             cache_limit_bytes=XGRAMMAR_CACHE_LIMIT_BYTES,
         )
