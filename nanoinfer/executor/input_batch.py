@@ -28,10 +28,12 @@ class StepInputs(NamedTuple):
     query_start_loc: np.ndarray  # int32 [rows + 1]
     seq_lens: np.ndarray  # int32 [rows], context length including this step's tokens
     row_slots: np.ndarray  # int64 [rows]: each row's persistent slot (its block-table row)
-    # Block-table entries scheduled since the previous step: table[slots, cols] = block ids.
+    # Block-table entries scheduled since the previous step: table[slots, cols] = block ids, grouped by
+    # row in row order (row r's are [table_row_starts[r], table_row_starts[r + 1])).
     table_slots: np.ndarray  # int64
     table_cols: np.ndarray  # int64
     table_block_ids: np.ndarray  # int32
+    table_row_starts: np.ndarray  # int64 [rows + 1]
     num_decode_rows: int
     max_query_len: int
     max_seq_len: int
@@ -171,6 +173,7 @@ class InputBatch:
         row_slots = np.empty(num_rows, dtype=np.int64)
         q_lens = np.empty(num_rows, dtype=np.int64)
         starts = np.empty(num_rows, dtype=np.int64)
+        table_row_starts = np.zeros(num_rows + 1, dtype=np.int64)
         table_slots: list[int] = []
         table_cols: list[int] = []
         table_ids: list[int] = []
@@ -199,6 +202,7 @@ class InputBatch:
                 table_slots += [slot] * n
                 table_cols += range(first, first + n)
                 table_ids += r.new_block_ids
+            table_row_starts[row + 1] = len(table_slots)
             tokens += r.token_ids
             if r.last_token_pending:
                 tokens.append(0)
@@ -234,6 +238,7 @@ class InputBatch:
             table_slots=np.array(table_slots, dtype=np.int64),
             table_cols=np.array(table_cols, dtype=np.int64),
             table_block_ids=np.array(table_ids, dtype=np.int32),
+            table_row_starts=table_row_starts,
             num_decode_rows=len(decode_rows),
             max_query_len=int(q_lens.max()) if num_rows else 0,
             max_seq_len=int(seq_lens.max()) if num_rows else 0,

@@ -31,6 +31,7 @@ from nanoinfer.executor.cuda_graphs import (
 from nanoinfer.executor.input_batch import InputBatch, StepInputs, StepPlan
 from nanoinfer.executor.pinned import PinnedRing
 from nanoinfer.kernels.attention_ref import FP8_DTYPE, FP8_MAX
+from nanoinfer.kernels.step_inputs_ref import unpack_step_inputs_ref
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
 from nanoinfer.layers.kernels import triton_kernels, use_kernels
 from nanoinfer.models.checkpoint import load_weights
@@ -49,6 +50,20 @@ _MIN_KV_SCALE = 1e-6
 
 # Waits until a CUDA event has completed (tensor parallelism replaces it with one that watches workers).
 DeviceWait = Callable[[torch.cuda.Event], None]
+
+
+# The parts of a step's packed inputs that the step reads after they are unpacked (``ModelRunner._pack``).
+_STAGED = frozenset(
+    (
+        "pending_index",
+        "pending_source",
+        "logits_index",
+        "prompt_logprob_index",
+        "sample_slots",
+        "sample_offsets",
+        "prefill_query_start_loc",
+    )
+)
 
 
 class StepHandle:
@@ -101,7 +116,7 @@ class StagedInputs:
 
     graph_bs: int | None
     bucket: int | None
-    views: dict[str, torch.Tensor]  # the device views of the step's index arrays (``_stage``)
+    views: dict[str, torch.Tensor]  # the device views of the step's index arrays (``_load_inputs``)
 
 
 class ModelRunner:
@@ -145,8 +160,12 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         # The fused elementwise kernels go with the attention backend: Triton's on CUDA.
+        self._unpack_step_inputs = unpack_step_inputs_ref
         if backend.name == "triton":
             use_kernels(self.model, triton_kernels())
+            from nanoinfer.kernels.triton_step_inputs import unpack_step_inputs
+
+            self._unpack_step_inputs = unpack_step_inputs
         self.sampler = Sampler()
 
         first = self.attention_layers[0]
@@ -602,15 +621,13 @@ class ModelRunner:
         :meth:`_gather_pending_inputs`) for the run that :meth:`_route` chose (padded to its graph's
         rows or bucket's tokens); returns the device views of the step's index arrays (with ``plan``,
         rank 0's sampling rows too)."""
-        b = self.buffers
         num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
-        padded_rows = graph_bs or num_rows
-        staging = self._stage(step, graph_bs or bucket or num_tokens, padded_rows, plan)
-        batch = self.input_batch
-        if len(step.table_slots):
-            batch.block_table[staging["table_slots"], staging["table_cols"]] = staging["table_block_ids"]
-        b.block_tables[:padded_rows] = batch.block_table[staging["row_slots"]]
-        return staging
+        packed, parts = self._pack(step, graph_bs or bucket or num_tokens, graph_bs or num_rows, plan)
+        self._unpack_step_inputs(packed, parts, num_rows, self.buffers, self.input_batch.block_table)
+        staged = {name: packed[at : at + size] for name, (at, size) in parts.items() if name in _STAGED}
+        if "prefill_query_start_loc" in staged:
+            staged["prefill_query_start_loc"] = staged["prefill_query_start_loc"].to(torch.int32)
+        return staged
 
     def _gather_pending_inputs(self, step: StepInputs, staging: dict) -> None:
         """The step's input tokens that the previous step sampled, from where its sampling left them
@@ -648,13 +665,12 @@ class ModelRunner:
             return self.piecewise.run(bucket, meta, num_tokens)
         return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], meta)
 
-    def _stage(
+    def _pack(
         self, step: StepInputs, padded_tokens: int, padded_rows: int, plan: StepPlan | None
-    ) -> dict[str, torch.Tensor]:
-        """Copies the step's host arrays into the persistent device buffers (one host-to-device copy of a
-        packed int64 array, which also carries the logits and prompt-logprob indices and, with ``plan``,
-        the sampling rows' slots and noise offsets); graph padding rows write nothing and have no
-        context. Returns the device views of the index arrays."""
+    ) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+        """The step's host arrays as one int64 array on the device (one host-to-device copy; with ``plan``
+        it also carries rank 0's sampling rows' slots and noise offsets) and where each lies in it, as
+        (start, size); graph padding rows write nothing and have no context."""
         num_tokens, num_rows = len(step.input_ids), len(step.seq_lens)
         num_decode = step.num_decode_rows
         parts = {
@@ -667,6 +683,7 @@ class ModelRunner:
             "table_slots": (step.table_slots, len(step.table_slots), 0),
             "table_cols": (step.table_cols, len(step.table_cols), 0),
             "table_block_ids": (step.table_block_ids, len(step.table_block_ids), 0),
+            "table_row_starts": (step.table_row_starts, len(step.table_row_starts), 0),
             "pending_index": (step.pending_index, len(step.pending_index), 0),
             "pending_source": (step.pending_source, len(step.pending_source), 0),
             "logits_index": (step.logits_index, len(step.logits_index), 0),
@@ -681,24 +698,15 @@ class ModelRunner:
             parts["prefill_query_start_loc"] = (prefill_starts, len(prefill_starts), 0)
         total = sum(size for _, size, _ in parts.values())
         host_array = np.empty(total, dtype=np.int64)
-        views = {}
+        places = {}
         offset = 0
         for name, (array, size, pad) in parts.items():
             n = len(array)
             host_array[offset : offset + n] = array
             host_array[offset + n : offset + size] = pad
-            views[name] = (offset, size)
+            places[name] = (offset, size)
             offset += size
-        device = self.input_batch.to_device(host_array)
-        b = self.buffers
-        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
-            start, size = views.pop(name)
-            getattr(b, name)[:size].copy_(device[start : start + size], non_blocking=True)
-        staged = {name: device[start : start + size] for name, (start, size) in views.items()}
-        for name in ("table_block_ids", "prefill_query_start_loc"):
-            if name in staged:
-                staged[name] = staged[name].to(torch.int32)
-        return staged
+        return self.input_batch.to_device(host_array), places
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.model.compute_logits(hidden)
