@@ -23,9 +23,11 @@ _DTYPES = {
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # vLLM's names: "auto" stores K/V in the model's dtype; the FP8 names store e4m3 with per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# Grammar processes on CUDA by default, and at most. The structured-outputs benchmark on an H200 host (16
-# cores), in one call (run 48, docs/benchmarks.md): 23,023 json_schema tok/s with 4, 21,931 with 2.
-DEFAULT_CUDA_GRAMMAR_PROCESSES = 4
+# Grammar processes on CUDA by default: one per two of the host's cores, at most 8. The structured-outputs
+# benchmark on the H100's host (16 cores, docs/benchmarks.md, runs 79 and 81): 8 processes filled 64 rows in
+# 560-650 us per step against 810-1,320 with 4, for a ratio of 0.77 on average over five runs (0.64-0.93)
+# against 0.69 over two (0.63, 0.75).
+MAX_DEFAULT_CUDA_GRAMMAR_PROCESSES = 8
 MAX_GRAMMAR_PROCESSES = 16
 _DEVICES = ("auto", "cuda", "cpu")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -64,6 +66,11 @@ GENERATION_CONFIG_FIELDS = {
 }
 
 
+def default_cuda_grammar_processes() -> int:
+    """``num_grammar_processes`` on CUDA when not given (see MAX_DEFAULT_CUDA_GRAMMAR_PROCESSES)."""
+    return max(1, min(MAX_DEFAULT_CUDA_GRAMMAR_PROCESSES, (os.cpu_count() or 2) // 2))
+
+
 @dataclass
 class EngineConfig:
     """Engine options. Construct with :meth:`from_kwargs` to get a TypeError listing valid options."""
@@ -94,8 +101,8 @@ class EngineConfig:
     # (where it gains nothing; it works there too, with the same tokens).
     async_scheduling: bool | None = None
     # Processes that hold constrained requests' grammars, beside the engine's thread (see
-    # engine/grammar_process.py); 0: the grammars live on the engine's thread. None: 4 on CUDA, 0 on the
-    # CPU (where they would take the cores the forward pass uses).
+    # engine/grammar_process.py); 0: the grammars live on the engine's thread. None: on CUDA one per two
+    # of the host's cores (at most 8), 0 on the CPU (where they would take the cores the forward pass uses).
     num_grammar_processes: int | None = None
     kv_cache_dtype: str = "auto"
     # CPU threads of the engine process (torch.set_num_threads when the engine starts); None: torch's
@@ -162,7 +169,7 @@ class EngineConfig:
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda"
         if self.num_grammar_processes is None:
-            self.num_grammar_processes = DEFAULT_CUDA_GRAMMAR_PROCESSES if self.device == "cuda" else 0
+            self.num_grammar_processes = default_cuda_grammar_processes() if self.device == "cuda" else 0
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
         elif self.attention_backend == "triton" and self.device != "cuda":

@@ -36,7 +36,7 @@ ENGINE_OPTION_HELP = {
     "cpu_num_threads": "CPU threads of the engine process (default: torch's, every core)",
     "async_scheduling": "schedule and prepare step n+1 while the device runs step n (default: on for CUDA)",
     "num_grammar_processes": "processes that hold constrained requests' grammars; 0: on the engine's "
-    "thread (default: 4 on CUDA, 0 on the CPU)",
+    "thread (default: on CUDA one per two CPU cores, at most 8; 0 on the CPU)",
     "kv_cache_dtype": "K/V storage: auto (the model's dtype), or fp8 / fp8_e4m3 (half the bytes)",
     "chat_template": "a Jinja chat template (a file, or the template text) instead of the tokenizer's",
     "generation_config": "default sampling parameters: 'auto' reads the model's generation_config.json "
