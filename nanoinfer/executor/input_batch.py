@@ -173,7 +173,7 @@ class InputBatch:
         row_slots = np.empty(num_rows, dtype=np.int64)
         q_lens = np.empty(num_rows, dtype=np.int64)
         starts = np.empty(num_rows, dtype=np.int64)
-        table_row_starts = np.zeros(num_rows + 1, dtype=np.int64)
+        table_row_ends: list[int] = []
         table_slots: list[int] = []
         table_cols: list[int] = []
         table_ids: list[int] = []
@@ -202,7 +202,7 @@ class InputBatch:
                 table_slots += [slot] * n
                 table_cols += range(first, first + n)
                 table_ids += r.new_block_ids
-            table_row_starts[row + 1] = len(table_slots)
+            table_row_ends.append(len(table_slots))
             tokens += r.token_ids
             if r.last_token_pending:
                 tokens.append(0)
@@ -238,7 +238,7 @@ class InputBatch:
             table_slots=np.array(table_slots, dtype=np.int64),
             table_cols=np.array(table_cols, dtype=np.int64),
             table_block_ids=np.array(table_ids, dtype=np.int32),
-            table_row_starts=table_row_starts,
+            table_row_starts=np.array([0, *table_row_ends], dtype=np.int64),
             num_decode_rows=len(decode_rows),
             max_query_len=int(q_lens.max()) if num_rows else 0,
             max_seq_len=int(seq_lens.max()) if num_rows else 0,
