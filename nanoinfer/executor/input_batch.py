@@ -28,9 +28,8 @@ class StepInputs(NamedTuple):
     query_start_loc: np.ndarray  # int32 [rows + 1]
     seq_lens: np.ndarray  # int32 [rows], context length including this step's tokens
     row_slots: np.ndarray  # int64 [rows]: each row's persistent slot (its block-table row)
-    # Block-table entries scheduled since the previous step: table[slots, cols] = block ids, grouped by
-    # row in row order (row r's are [table_row_starts[r], table_row_starts[r + 1])).
-    table_slots: np.ndarray  # int64
+    # Block-table entries scheduled since the previous step, grouped by row in row order: row r's are
+    # [table_row_starts[r], table_row_starts[r + 1]), table[row_slots[r], cols] = block ids.
     table_cols: np.ndarray  # int64
     table_block_ids: np.ndarray  # int32
     table_row_starts: np.ndarray  # int64 [rows + 1]
@@ -174,7 +173,6 @@ class InputBatch:
         q_lens = np.empty(num_rows, dtype=np.int64)
         starts = np.empty(num_rows, dtype=np.int64)
         table_row_ends: list[int] = []
-        table_slots: list[int] = []
         table_cols: list[int] = []
         table_ids: list[int] = []
         tokens: list[int] = []
@@ -199,10 +197,9 @@ class InputBatch:
                 n = len(r.new_block_ids)
                 table[slot, first : first + n] = r.new_block_ids
                 self.num_blocks[slot] = first + n
-                table_slots += [slot] * n
                 table_cols += range(first, first + n)
                 table_ids += r.new_block_ids
-            table_row_ends.append(len(table_slots))
+            table_row_ends.append(len(table_cols))
             tokens += r.token_ids
             if r.last_token_pending:
                 tokens.append(0)
@@ -235,7 +232,6 @@ class InputBatch:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             row_slots=row_slots,
-            table_slots=np.array(table_slots, dtype=np.int64),
             table_cols=np.array(table_cols, dtype=np.int64),
             table_block_ids=np.array(table_ids, dtype=np.int32),
             table_row_starts=np.array([0, *table_row_ends], dtype=np.int64),

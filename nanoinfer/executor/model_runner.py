@@ -680,7 +680,6 @@ class ModelRunner:
             "query_start_loc": (step.query_start_loc, padded_rows + 1, num_tokens),
             "seq_lens": (step.seq_lens, padded_rows, 0),
             "row_slots": (step.row_slots, padded_rows, 0),
-            "table_slots": (step.table_slots, len(step.table_slots), 0),
             "table_cols": (step.table_cols, len(step.table_cols), 0),
             "table_block_ids": (step.table_block_ids, len(step.table_block_ids), 0),
             "table_row_starts": (step.table_row_starts, len(step.table_row_starts), 0),

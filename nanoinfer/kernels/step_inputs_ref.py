@@ -7,9 +7,9 @@ lies in it, as (start, size):
 * ``input_ids``, ``positions``, ``slot_mapping``: the step's (padded) tokens;
 * ``query_start_loc`` (padded rows + 1), ``seq_lens`` (padded rows), ``row_slots`` (padded rows: each row's
   block-table row);
-* ``table_slots``, ``table_cols``, ``table_block_ids``: the block-table entries scheduled since the
-  previous step, grouped by row in row order, and ``table_row_starts`` (rows + 1: row r's entries are
-  ``[starts[r], starts[r + 1])``, for the kernel).
+* ``table_cols``, ``table_block_ids``: the block-table entries scheduled since the previous step,
+  grouped by row in row order, and ``table_row_starts`` (rows + 1: row r's entries are
+  ``[starts[r], starts[r + 1])``, in its slot's row).
 
 ``buffers`` has the device tensors ``input_ids``, ``positions``, ``slot_mapping`` (int64),
 ``query_start_loc``, ``seq_lens`` (int32) and ``block_tables`` (int32 [rows, width]); ``block_table`` is the
@@ -42,6 +42,10 @@ def unpack_step_inputs_ref(
     for name in (*TOKEN_BUFFERS, *ROW_BUFFERS):
         values = part(name)
         getattr(buffers, name)[: len(values)].copy_(values, non_blocking=True)
-    if parts["table_slots"][1]:
-        block_table[part("table_slots"), part("table_cols")] = part("table_block_ids").to(torch.int32)
-    buffers.block_tables[:num_rows] = block_table[part("row_slots")[:num_rows]]
+    row_slots = part("row_slots")[:num_rows]
+    num_entries = parts["table_cols"][1]
+    if num_entries:
+        starts = part("table_row_starts")
+        slots = row_slots.repeat_interleave(starts[1:] - starts[:-1], output_size=num_entries)
+        block_table[slots, part("table_cols")] = part("table_block_ids").to(torch.int32)
+    buffers.block_tables[:num_rows] = block_table[row_slots]

@@ -32,6 +32,11 @@ def row(request_id, start, tokens, new_blocks, samples=True, pending=False, **ex
     )
 
 
+def _entry_slots(step) -> np.ndarray:
+    """The slot of each new block-table entry: its row's (entries are grouped by row in row order)."""
+    return np.repeat(step.row_slots, np.diff(step.table_row_starts))
+
+
 def test_rows_come_decode_first_with_positions_slots_and_table_diffs():
     batch = InputBatch(max_num_seqs=4, max_blocks_per_seq=8, block_size=BS, device=torch.device("cpu"))
     prompt = SamplingParams(prompt_logprobs=1)
@@ -55,7 +60,7 @@ def test_rows_come_decode_first_with_positions_slots_and_table_diffs():
     assert plan.sample_rows == [1] and plan.prompt_logprob_rows == [(0, 3)]
     # Only the new block ids travel, into the rows' slots.
     slot_d, slot_p = batch.slot_of["d"], batch.slot_of["p"]
-    assert sorted(zip(step.table_slots, step.table_cols, step.table_block_ids, strict=True)) == sorted(
+    assert sorted(zip(_entry_slots(step), step.table_cols, step.table_block_ids, strict=True)) == sorted(
         [(slot_p, 0, 3), (slot_d, 0, 3), (slot_d, 1, 4), (slot_d, 2, 8)]
     )
     assert b"SamplingParams" not in pickle.dumps(step)
@@ -70,7 +75,7 @@ def test_rows_come_decode_first_with_positions_slots_and_table_diffs():
     assert step.num_decode_rows == 1 and plan.row_order == [1, 0]
     np.testing.assert_array_equal(step.pending_index, [0])
     np.testing.assert_array_equal(step.pending_source, [0])
-    assert list(zip(step.table_slots, step.table_cols, step.table_block_ids, strict=True)) == [
+    assert list(zip(_entry_slots(step), step.table_cols, step.table_block_ids, strict=True)) == [
         (slot_p, 1, 11)
     ]
     np.testing.assert_array_equal(step.slot_mapping[[0, 1, -1]], [8 * BS + 8, 3 * BS + 3, 11 * BS + 6])

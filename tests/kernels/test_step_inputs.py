@@ -32,7 +32,7 @@ def _buffers(width: int, gen: torch.Generator) -> SimpleNamespace:
 def _packed_step(rng: np.random.Generator, num_rows: int, padded_rows: int, num_tokens: int, width: int):
     """A packed step as ``ModelRunner._pack`` lays it out: rows on distinct slots, each with 0-3 new
     block-table entries (up to ``width`` for one row), grouped by row in row order, and parts the kernel
-    does not read between them."""
+    does not read between them; and each entry's slot."""
     slots = rng.permutation(NUM_SLOTS)[:num_rows]
     table_slots, table_cols, table_ids, row_starts = [], [], [], [0]
     for row, slot in enumerate(slots):
@@ -50,7 +50,6 @@ def _packed_step(rng: np.random.Generator, num_rows: int, padded_rows: int, num_
         "query_start_loc": np.sort(rng.integers(0, num_tokens, padded_rows + 1)),
         "seq_lens": rng.integers(0, 4096, padded_rows),
         "row_slots": np.concatenate([slots, np.zeros(padded_rows - num_rows, dtype=np.int64)]),
-        "table_slots": np.array(table_slots, dtype=np.int64),
         "table_cols": np.array(table_cols, dtype=np.int64),
         "table_block_ids": np.array(table_ids, dtype=np.int64),
         "table_row_starts": np.array(row_starts, dtype=np.int64),
@@ -61,7 +60,7 @@ def _packed_step(rng: np.random.Generator, num_rows: int, padded_rows: int, num_
         places[name] = (offset, len(array))
         offset += len(array)
     packed = torch.from_numpy(np.concatenate([a.astype(np.int64) for a in parts.values()])).to(DEVICE)
-    return packed, places
+    return packed, places, table_slots
 
 
 @pytest.mark.parametrize(
@@ -71,7 +70,7 @@ def _packed_step(rng: np.random.Generator, num_rows: int, padded_rows: int, num_
 def test_unpack_step_inputs_matches_reference(num_rows, padded_rows, num_tokens, width):
     kernel = triton_module("triton_step_inputs")
     gen = torch.Generator().manual_seed(num_rows * 1000 + width)
-    packed, parts = _packed_step(
+    packed, parts, entry_slots = _packed_step(
         np.random.default_rng(num_rows + width), num_rows, padded_rows, num_tokens, width
     )
     table = torch.randint(0, 10_000, (NUM_SLOTS, width), generator=gen, dtype=torch.int32).to(DEVICE)
@@ -83,9 +82,8 @@ def test_unpack_step_inputs_matches_reference(num_rows, padded_rows, num_tokens,
     for name, tensor in vars(buffers).items():
         assert torch.equal(tensor, getattr(expected_buffers, name)), name
     # The reference, checked apart: the rows' new entries are in the persistent table and the step's rows.
-    start, size = parts["table_slots"]
-    for k in range(size):
-        slot, col = packed[start + k].item(), packed[parts["table_cols"][0] + k].item()
+    for k, slot in enumerate(entry_slots):
+        col = packed[parts["table_cols"][0] + k].item()
         assert expected_table[slot, col].item() == packed[parts["table_block_ids"][0] + k].item()
     row_slots = packed[parts["row_slots"][0] : parts["row_slots"][0] + num_rows].cpu()
     assert torch.equal(expected_buffers.block_tables[:num_rows].cpu(), expected_table.cpu()[row_slots])
@@ -93,7 +91,7 @@ def test_unpack_step_inputs_matches_reference(num_rows, padded_rows, num_tokens,
 
 def test_unpack_step_inputs_rejects_mismatched_buffers():
     kernel = triton_module("triton_step_inputs")
-    packed, parts = _packed_step(np.random.default_rng(0), 2, 2, 2, 9)
+    packed, parts, _ = _packed_step(np.random.default_rng(0), 2, 2, 2, 9)
     buffers = _buffers(9, torch.Generator().manual_seed(0))
     table = torch.zeros(NUM_SLOTS, 9, dtype=torch.int32, device=DEVICE)
     buffers.seq_lens = buffers.seq_lens.long()
