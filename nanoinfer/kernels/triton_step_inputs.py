@@ -27,6 +27,10 @@ from nanoinfer.kernels.step_inputs_ref import ROW_BUFFERS, TOKEN_BUFFERS
 _BLOCK = 1024
 _MAX_BLOCK_W = 1024
 _BLOCK_U = 16
+# Each buffer's dtype, in the kernel's argument order.
+_BUFFER_DTYPES = {name: torch.int64 for name in TOKEN_BUFFERS} | {
+    name: torch.int32 for name in (*ROW_BUFFERS, "block_tables")
+}
 
 
 @triton.jit(
@@ -120,16 +124,13 @@ def unpack_step_inputs(
     block_table: torch.Tensor,
 ) -> None:
     """Same as ``unpack_step_inputs_ref`` (see step_inputs_ref), on CUDA, in one launch."""
-    tensors = {name: getattr(buffers, name) for name in (*TOKEN_BUFFERS, *ROW_BUFFERS, "block_tables")}
+    tensors = {name: getattr(buffers, name) for name in _BUFFER_DTYPES}
     if packed.dtype != torch.int64 or not packed.is_contiguous():
         raise ValueError(f"packed must be a contiguous int64 tensor, got {packed.dtype}")
-    expected = {name: torch.int64 for name in TOKEN_BUFFERS} | {
-        name: torch.int32 for name in (*ROW_BUFFERS, "block_tables")
-    }
     for name, tensor in tensors.items():
-        if tensor.dtype != expected[name] or tensor.stride(-1) != 1:
+        if tensor.dtype != _BUFFER_DTYPES[name] or tensor.stride(-1) != 1:
             raise ValueError(
-                f"buffers.{name} must be {expected[name]} with unit last stride, got {tensor.dtype}"
+                f"buffers.{name} must be {_BUFFER_DTYPES[name]} with unit last stride, got {tensor.dtype}"
             )
     if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
         raise ValueError(f"block_table must be int32 with unit last stride, got {block_table.dtype}")
