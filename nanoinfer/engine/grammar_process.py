@@ -16,22 +16,27 @@ for a server, while the engine builds itself, and compiles on a thread of its ow
 schema at a 150k vocabulary; the grammar libraries release the GIL for most of it), so that the steps it
 serves meanwhile go on. The engine takes what has compiled with :meth:`GrammarProcesses.poll`.
 
-One pipe per process carries pickled messages. The engine's thread alone sends:
+A step's exchange goes through shared memory, not the pipes: the engine writes the step's feeds and
+fills into one shared board (:class:`StepBoard`, read by every process) and wakes the processes that
+hold any of them with a semaphore each; every woken process feeds its grammars their tokens (see
+``structured_outputs.feed_grammar``), writes how many results were not a plain acceptance into its reply
+slot and posts its "fed" semaphore, then fills its bitmask rows and posts "filled" (with the fill's
+nanoseconds in its slot). On the H100's host a pipe's send or receive cost the engine's thread 10-20 us
+each, three per process and step (run 81: about 430 us of a 2.2 ms step with eight processes); a
+semaphore costs about a microsecond. Feeds' results that are not a plain acceptance, rare, follow on
+the pipe as {feed index: (error, blocks_eos, invalid_input)} before "fed" is posted.
 
-- ``("compile", released, key, params)``: compile ``params`` as grammar ``key``; answered, whenever it
-  is done, by ``("compiled", key, error, invalid_input)`` (error None: compiled; ``invalid_input``: the
-  constraint's fault, as the ValueErrors of ``GrammarCompiler.compile``).
-- ``("step", released, keys, token_ids, eos_blocked, start, fills)``: feed grammar ``keys[i]`` its
-  token (see ``structured_outputs.feed_grammar``), reply with the results that are not a plain
-  acceptance, as {i: (error, blocks_eos, invalid_input)} (pickling one object per row would cost the
-  engine's thread more than the feeding); then, when ``fills`` (keys) is not empty, fill bitmask row
-  ``start + i`` for grammar ``fills[i]`` and reply with the fill's seconds.
+The pipe carries the rest, pickled; the engine's thread alone sends ``("compile", released, key,
+params)``: compile ``params`` as grammar ``key``; answered, whenever it is done, by ``("compiled", key,
+error, invalid_input)`` (error None: compiled; ``invalid_input``: the constraint's fault, as the
+ValueErrors of ``GrammarCompiler.compile``). A thread of the process reads the pipe, so that the loop
+that feeds and fills waits on its semaphore alone.
 
 The process sends ``("ready", eos_token_ids)`` or ``("failed", message)`` first; compile answers may
-come between a step's replies, which come in order. ``released``: the keys of the process's grammars
-whose requests are gone (their handles were collected). If a process dies, the requests whose grammars
-it held or was compiling fail with an error, and the next constrained request starts another in its
-place.
+come between a step's replies. ``released`` (in a compile message, and in the board's slot of the
+process at each step): the keys of the process's grammars whose requests are gone (their handles were
+collected). If a process dies, the requests whose grammars it held or was compiling fail with an
+error, and the next constrained request starts another in its place.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_connections
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -66,6 +72,9 @@ START_TIMEOUT_S = 120.0
 # The process's GIL switch interval: its loop (feeding, filling) waits at most this long for the GIL
 # while the compile thread runs Python (the default, 5 ms, would add up to that to a step's fill).
 SWITCH_INTERVAL_S = 0.0002
+# How often the engine's wait for a process's semaphore checks that the process is alive (a dead one
+# never posts).
+LIVENESS_CHECK_S = 0.05
 
 
 class RemoteGrammar:
@@ -109,6 +118,33 @@ class GrammarProcessExited(RuntimeError):
     pass
 
 
+class StepBoard:
+    """One step's feeds and fills in shared memory: written by the engine's thread, read by the processes
+    it wakes (see the module docstring). One int64 tensor, shared with every process, in five parts:
+
+    - ``counts``: the step's number of feeds and of fills;
+    - ``feeds`` [3, rows]: each feed's grammar key, token id and eos_blocked;
+    - ``fills`` [2, rows]: each fill's grammar key and bitmask row;
+    - ``released`` [processes, 1 + rows]: per process, a count, then keys of its grammars to drop;
+    - ``replies`` [processes, 2]: per process, the count of its feeds' results that are not a plain
+      acceptance (sent on the pipe), and its latest fill's nanoseconds."""
+
+    def __init__(self, tensor: torch.Tensor, rows: int, num_processes: int):
+        self.tensor, self.rows, self.num_processes = tensor, rows, num_processes
+        words = tensor.numpy()
+        released_end = 2 + 5 * rows + num_processes * (1 + rows)
+        self.counts = words[:2]
+        self.feeds = words[2 : 2 + 3 * rows].reshape(3, rows)
+        self.fills = words[2 + 3 * rows : 2 + 5 * rows].reshape(2, rows)
+        self.released = words[2 + 5 * rows : released_end].reshape(num_processes, 1 + rows)
+        self.replies = words[released_end:].reshape(num_processes, 2)
+
+    @classmethod
+    def allocate(cls, rows: int, num_processes: int) -> StepBoard:
+        size = 2 + 5 * rows + num_processes * (1 + rows) + 2 * num_processes
+        return cls(torch.zeros(size, dtype=torch.int64).share_memory_(), rows, num_processes)
+
+
 class GrammarProcesses:
     """The engine's side of the grammar processes, started by the first constrained request: grammar
     ``key`` lives in process ``key % len(processes)``, and each step's feeds and fills go to the
@@ -133,7 +169,8 @@ class GrammarProcesses:
         # process, takes all of them (with one thread each, eight processes on the H100's 16-core host
         # took about 2 s to compile the engine benchmark's schema; run 73).
         self._num_threads = max(1, default_num_threads() // num_processes)
-        self.processes = [self._start() for _ in range(num_processes)]
+        self.board = StepBoard.allocate(num_rows, num_processes)
+        self.processes = [self._start(i) for i in range(num_processes)]
         # The compiles that processes which have since exited were running, answered as failed.
         self._orphaned: list[CompiledGrammar] = []
 
@@ -144,7 +181,7 @@ class GrammarProcesses:
             if not process.alive:
                 process.close()
                 self._orphaned.extend(process.take_compiled())
-                self.processes[i] = self._start()
+                self.processes[i] = self._start(i)
 
     def compile(self, key: int, params: StructuredOutputsParams) -> None:
         """Starts compiling ``params`` as grammar ``key``; :meth:`poll` gives the outcome."""
@@ -167,38 +204,39 @@ class GrammarProcesses:
             done.extend(process.take_compiled())
         return done
 
-    def _start(self) -> _GrammarProcess:
-        return _GrammarProcess(self._config, self.bitmask, self._num_threads)
+    def _start(self, index: int) -> _GrammarProcess:
+        return _GrammarProcess(self._config, self.bitmask, self.board, index, self._num_threads)
 
-    def in_fill_order(self, grammars: list[tuple[int, RemoteGrammar]]) -> list[tuple[int, RemoteGrammar]]:
-        """(scheduled row, grammar) pairs ordered by process, so that each process fills one run of
-        consecutive bitmask rows (xgrammar's batched fill takes a bitmask and fills its first rows)."""
-        n = len(self.processes)
-        return sorted(grammars, key=lambda pair: pair[1].key % n)
-
-    def send_step(self, feeds: Sequence[GrammarFeed], fills: Sequence[RemoteGrammar]) -> GrammarExchange:
-        """Sends a step's feeds, and its fills (bitmask row i for ``fills[i]``, in :meth:`in_fill_order`),
-        to their processes; the exchange takes the replies. A dead process answers each of its feeds with
-        an error, and its rows allow EOS alone."""
-        n = len(self.processes)
-        parts: list[tuple[list[GrammarFeed], int, list[int]]] = [([], 0, []) for _ in range(n)]
-        for feed in feeds:
-            parts[feed.grammar.key % n][0].append(feed)
-        previous = -1
-        for row, grammar in enumerate(fills):
-            p = grammar.key % n
-            if p != previous:
-                if parts[p][2]:
-                    raise RuntimeError("the fills are not in fill order (see in_fill_order)")
-                parts[p] = (parts[p][0], row, parts[p][2])
-                previous = p
-            parts[p][2].append(grammar.key)
+    def send_step(
+        self, feeds: Sequence[GrammarFeed], fills: Sequence[tuple[int, RemoteGrammar]]
+    ) -> GrammarExchange:
+        """Writes a step's feeds and its fills ((bitmask row, grammar) pairs) into the board and wakes
+        the processes that hold their grammars; the exchange takes the replies. A dead process answers
+        each of its feeds with an error, and its rows allow EOS alone."""
+        board, n = self.board, len(self.processes)
+        num_feeds, num_fills = len(feeds), len(fills)
+        if max(num_feeds, num_fills) > board.rows:
+            raise RuntimeError(f"{num_feeds} feeds and {num_fills} fills for a board of {board.rows} rows")
+        board.counts[:] = (num_feeds, num_fills)
+        woken = np.zeros(n, dtype=bool)
+        if num_feeds:
+            keys = board.feeds[0, :num_feeds]
+            keys[:] = [feed.grammar.key for feed in feeds]
+            board.feeds[1, :num_feeds] = [feed.token_id for feed in feeds]
+            board.feeds[2, :num_feeds] = [feed.eos_blocked for feed in feeds]
+            woken[keys % n] = True
+        filling = np.zeros(n, dtype=bool)
+        if num_fills:
+            keys = board.fills[0, :num_fills]
+            keys[:] = [grammar.key for _, grammar in fills]
+            board.fills[1, :num_fills] = [row for row, _ in fills]
+            filling[keys % n] = True
         sent = []
-        for process, (process_feeds, start, keys) in zip(self.processes, parts, strict=True):
-            if process_feeds or keys:
-                process.send_step(process_feeds, start, keys)
-                sent.append((process, process_feeds, range(start, start + len(keys))))
-        return GrammarExchange(sent, self.bitmask)
+        for process, wake, fill in zip(self.processes, woken | filling, filling, strict=True):
+            if wake:
+                process.post_step()
+                sent.append((process, bool(fill)))
+        return GrammarExchange(sent, feeds, fills, self.bitmask)
 
     def close(self) -> None:
         for process in self.processes:
@@ -209,17 +247,36 @@ class GrammarProcesses:
 
 
 class GrammarExchange:
-    """One step's replies from the processes it was sent to: the feeds' results first, then the fill."""
+    """One step's replies from the processes it woke: the feeds' results first, then the fill."""
 
-    def __init__(self, sent: list[tuple[_GrammarProcess, list[GrammarFeed], range]], bitmask: torch.Tensor):
-        self._sent = sent
+    def __init__(
+        self,
+        sent: list[tuple[_GrammarProcess, bool]],
+        feeds: Sequence[GrammarFeed],
+        fills: Sequence[tuple[int, RemoteGrammar]],
+        bitmask: torch.Tensor,
+    ):
+        self._sent = sent  # (process, whether it fills rows)
+        self._feeds = feeds
+        self._fills = fills
         self._bitmask = bitmask
 
     def results(self) -> dict[int, GrammarResult]:
         """Each feed's result by row."""
-        results: dict[int, GrammarResult] = {}
-        for process, feeds, _ in self._sent:
-            results.update(process.receive_results(feeds))
+        from nanoinfer.engine.structured_outputs import ACCEPTED, GrammarResult
+
+        feeds = self._feeds
+        results = dict.fromkeys((feed.row for feed in feeds), ACCEPTED)
+        for process, _ in self._sent:
+            try:
+                unusual = process.wait_fed()
+            except GrammarProcessExited as e:
+                for feed in feeds:
+                    if process.holds(feed.grammar.key):
+                        results[feed.row] = GrammarResult(str(e))
+                continue
+            for i, (error, blocks_eos, invalid_input) in unusual.items():
+                results[feeds[i].row] = GrammarResult(error, blocks_eos, invalid_input)
         return results
 
     def fill(self) -> float:
@@ -227,28 +284,42 @@ class GrammarExchange:
         from nanoinfer.structured.backend import set_only
 
         seconds = 0.0
-        for process, _, rows in self._sent:
-            if not rows:
+        for process, fills in self._sent:
+            if not fills:
                 continue
             try:
-                seconds = max(seconds, process.receive_fill())
+                seconds = max(seconds, process.wait_filled())
             except GrammarProcessExited:
-                for row in rows:
-                    set_only(self._bitmask, row, process.eos_token_ids)
+                for row, grammar in self._fills:
+                    if process.holds(grammar.key):
+                        set_only(self._bitmask, row, process.eos_token_ids)
         return seconds
 
 
 class _GrammarProcess:
     """One grammar process, started here; it is ready once its first message has been read."""
 
-    def __init__(self, config: EngineConfig, bitmask: torch.Tensor, num_threads: int):
+    def __init__(
+        self, config: EngineConfig, bitmask: torch.Tensor, board: StepBoard, index: int, num_threads: int
+    ):
         from nanoinfer.engine.request import engine_eos_token_ids
 
         context = mp.get_context("spawn")
         self.connection, child_connection = context.Pipe()
+        self.index = index  # the process holds grammar key k where k % board.num_processes == index
+        self._board = board
+        # Posted by the engine (a step for the process), and by the process (fed; filled).
+        self._work, self._fed, self._filled = (context.Semaphore(0) for _ in range(3))
         self._process = context.Process(
             target=serve,
-            args=(child_connection, config, bitmask, num_threads),
+            args=(
+                child_connection,
+                config,
+                bitmask,
+                (board.tensor, board.rows, board.num_processes, index),
+                (self._work, self._fed, self._filled),
+                num_threads,
+            ),
             name="nanoinfer-grammars",
             daemon=True,
         )
@@ -299,33 +370,39 @@ class _GrammarProcess:
             self.close()
             raise RuntimeError(f"the grammar process did not start within {START_TIMEOUT_S:.0f} s")
 
-    def send_step(self, feeds: list[GrammarFeed], start: int, keys: list[int]) -> None:
-        message = (
-            "step",
-            self._take_released(),
-            [feed.grammar.key for feed in feeds],
-            [feed.token_id for feed in feeds],
-            [feed.eos_blocked for feed in feeds],
-            start,
-            keys,
-        )
-        with contextlib.suppress(GrammarProcessExited):
-            self._send(message)
+    def holds(self, key: int) -> bool:
+        """Whether grammar ``key`` lives in this process."""
+        return key % self._board.num_processes == self.index
 
-    def receive_results(self, feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
-        from nanoinfer.engine.structured_outputs import ACCEPTED, GrammarResult
+    def post_step(self) -> None:
+        """Wakes the process for the step in the board (with the keys of its grammars to drop)."""
+        if not self.alive:
+            return  # its waits raise GrammarProcessExited
+        board = self._board
+        released = self._take_released(board.rows)
+        slot = board.released[self.index]
+        slot[0] = len(released)
+        slot[1 : 1 + len(released)] = released
+        self._work.release()
 
-        try:
-            unusual = self._receive()
-        except GrammarProcessExited as e:
-            return {feed.row: GrammarResult(str(e)) for feed in feeds}
-        results = {feed.row: ACCEPTED for feed in feeds}
-        for i, (error, blocks_eos, invalid_input) in unusual.items():
-            results[feeds[i].row] = GrammarResult(error, blocks_eos, invalid_input)
-        return results
+    def wait_fed(self) -> dict[int, tuple[str | None, bool, bool]]:
+        """Waits until the process has fed its grammars the step's tokens; the results that are not a
+        plain acceptance, by feed index."""
+        self._wait(self._fed)
+        return self._receive() if self._board.replies[self.index, 0] else {}
 
-    def receive_fill(self) -> float:
-        return self._receive()
+    def wait_filled(self) -> float:
+        """Waits until the process has filled its bitmask rows; the fill's seconds."""
+        self._wait(self._filled)
+        return float(self._board.replies[self.index, 1]) / 1e9
+
+    def _wait(self, semaphore: Any) -> None:
+        if not self.alive:
+            raise GrammarProcessExited("the grammar process has exited")
+        while not semaphore.acquire(timeout=LIVENESS_CHECK_S):
+            if not self._process.is_alive():
+                self._exited()
+                raise GrammarProcessExited("the grammar process has exited")
 
     def close(self) -> None:
         self.connection.close()  # the process exits at the end of its pipe
@@ -338,10 +415,11 @@ class _GrammarProcess:
         self.alive = False
         self._fail_compiling("the grammar process was closed")
 
-    def _take_released(self) -> list[int]:
-        # RemoteGrammar.__del__ may append from any thread: take what is there, atomically per item.
+    def _take_released(self, limit: int | None = None) -> list[int]:
+        # RemoteGrammar.__del__ may append from any thread: take what is there, atomically per item (at
+        # most ``limit``; the rest go with the next message).
         released = []
-        while self.released:
+        while self.released and (limit is None or len(released) < limit):
             released.append(self.released.pop())
         return released
 
@@ -406,8 +484,16 @@ class _GrammarProcess:
         self.compiling.clear()
 
 
-def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: int) -> None:
-    """The grammar process's loop (see the module docstring)."""
+def serve(
+    conn: Any,
+    config: EngineConfig,
+    bitmask: torch.Tensor,
+    board_spec: tuple[torch.Tensor, int, int, int],
+    semaphores: tuple[Any, Any, Any],
+    num_threads: int,
+) -> None:
+    """The grammar process's loop (see the module docstring). ``board_spec``: the step board's tensor,
+    rows and processes, and this process's index; ``semaphores``: work, fed, filled."""
     from nanoinfer.engine.request import engine_eos_token_ids
     from nanoinfer.engine.structured_outputs import ACCEPTED, GrammarResult, feed_grammar
     from nanoinfer.models.checkpoint import load_tokenizer
@@ -425,9 +511,15 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", eos_token_ids))
+    tensor, rows, num_processes, index = board_spec
+    board = StepBoard(tensor, rows, num_processes)
+    work, fed, filled = semaphores
+    # Grammars by key; the pipe's thread and the compile thread change it while the loop reads it (each
+    # dict operation is atomic).
     grammars: dict[int, Any] = {}
-    send_lock = threading.Lock()  # the loop and the compile thread both answer on the pipe
+    send_lock = threading.Lock()  # the loop, the pipe's thread and the compile thread all answer on the pipe
     compile_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar-compile")
+    closed = threading.Event()
 
     def send(message: Any) -> None:
         with send_lock:
@@ -440,38 +532,58 @@ def serve(conn: Any, config: EngineConfig, bitmask: torch.Tensor, num_threads: i
         with contextlib.suppress(OSError):  # the engine has gone: the loop returns
             send(("compiled", key, outcome.error, outcome.invalid_input))
 
-    lost = GrammarResult("structured_outputs: the request's grammar was lost (the grammar process restarted)")
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return  # the engine has closed the pipe, or exited
-        for key in message[1]:
-            grammars.pop(key, None)
-        if message[0] == "compile":
-            _, _, key, params = message
+    def read_pipe() -> None:
+        while True:
+            try:
+                _, released, key, params = conn.recv()
+            except (EOFError, OSError):
+                break  # the engine has closed the pipe, or exited
+            for gone in released:
+                grammars.pop(gone, None)
             if compiler.is_kept(params):
                 # A repeated constraint (a pipeline's, a served tool's) needs a matcher only: here at
                 # once, rather than behind a new schema's compile.
                 compile_and_answer(key, params)
             else:
                 compile_thread.submit(compile_and_answer, key, params)
-            continue
-        _, _, keys, token_ids, eos_blocked, start, fills = message
+        closed.set()
+        work.release()
+
+    threading.Thread(target=read_pipe, name="nanoinfer-grammar-pipe", daemon=True).start()
+    lost = GrammarResult("structured_outputs: the request's grammar was lost (the grammar process restarted)")
+    while True:
+        work.acquire()
+        if closed.is_set():
+            return
+        # Everything this process needs from the board is read before "fed" is posted: after the engine
+        # has its replies it may write the next step there.
+        released = board.released[index]
+        for key in released[1 : 1 + released[0]].tolist():
+            grammars.pop(key, None)
+        num_feeds, num_fills = board.counts.tolist()
+        feeds = board.feeds[:, :num_feeds]
+        mine = np.flatnonzero(feeds[0] % num_processes == index)
+        my_feeds = feeds[:, mine].T.tolist()
+        fills = board.fills[:, :num_fills]
+        my_fills = fills[:, fills[0] % num_processes == index].T.tolist()
         unusual = {}
-        for i, key in enumerate(keys):
+        for i, (key, token_id, eos_blocked) in zip(mine.tolist(), my_feeds, strict=True):
             grammar = grammars.get(key)
-            result = lost if grammar is None else feed_grammar(grammar, token_ids[i], eos_blocked[i])
+            result = lost if grammar is None else feed_grammar(grammar, token_id, bool(eos_blocked))
             if result is not ACCEPTED:
                 unusual[i] = (result.error, result.blocks_eos, result.invalid_input)
-        send(unusual)
-        if fills:
-            started = time.perf_counter()
-            rows = bitmask[start : start + len(fills)]
-            compiler.fill_bitmasks(
-                [(grammars[key], i) for i, key in enumerate(fills) if key in grammars], rows
-            )
-            for i, key in enumerate(fills):
-                if key not in grammars:
-                    set_only(rows, i, eos_token_ids)
-            send(time.perf_counter() - started)
+        board.replies[index, 0] = len(unusual)
+        if unusual:
+            with contextlib.suppress(OSError):
+                send(unusual)
+        fed.release()
+        if not my_fills:
+            continue
+        started = time.perf_counter_ns()
+        matched = [(grammars.get(key), row) for key, row in my_fills]
+        compiler.fill_bitmasks([(grammar, row) for grammar, row in matched if grammar is not None], bitmask)
+        for grammar, row in matched:
+            if grammar is None:
+                set_only(bitmask, row, eos_token_ids)
+        board.replies[index, 1] = time.perf_counter_ns() - started
+        filled.release()

@@ -257,9 +257,9 @@ class StructuredOutputManager:
         self, grammars: list[tuple[int, RemoteGrammar]], feeds: list[GrammarFeed]
     ) -> PendingBitmask:
         processes = self._grammar_processes()
-        grammars = processes.in_fill_order(grammars)
         result = self._take_buffer(grammars)
-        exchange = processes.send_step(feeds, [grammar for _, grammar in grammars])
+        # Bitmask row i for the i-th pair (each process fills its rows wherever they are).
+        exchange = processes.send_step(feeds, [(i, grammar) for i, (_, grammar) in enumerate(grammars)])
 
         def filled() -> GrammarBitmask:
             self.mask_seconds += exchange.fill()

@@ -96,6 +96,7 @@ class CudaGraphs:
         self.mask: torch.Tensor | None = None  # int32 [rows, ceil(vocab / 32)]
         self.mask_rows: torch.Tensor | None = None  # int64 [rows]
         self._mask_rows_in_use = 0  # mask rows [0, this) may allow less than every token
+        self._mask_rows_identity = False  # mask_rows[i] == i for every row
         self._pool = None  # the graphs' shared memory pool, from the first capture
 
     @torch.inference_mode()
@@ -156,10 +157,17 @@ class CudaGraphs:
 
     def load_mask(self, num_rows: int, logits_rows: torch.Tensor | None) -> None:
         """The next masked sampling replay's bitmask: ``mask[:num_rows]`` is already written (by the
-        caller's copy), row i for logits row ``logits_rows[i]`` (a device tensor); later rows are reset
-        to allow every token (then the logits row they name, any row of the buffer, is left as it is)."""
-        if num_rows:
+        caller's copy), row i for logits row ``logits_rows[i]`` (a device tensor), or for logits row i
+        when ``logits_rows`` is None (every row of a fully constrained batch: nothing to copy after the
+        first such step); later rows are reset to allow every token (then the logits row they name, any
+        row of the buffer, is left as it is)."""
+        if num_rows and logits_rows is None:
+            if not self._mask_rows_identity:
+                self.mask_rows.copy_(torch.arange(len(self.mask_rows), device=self.mask_rows.device))
+                self._mask_rows_identity = True
+        elif num_rows:
             self.mask_rows[:num_rows].copy_(logits_rows)
+            self._mask_rows_identity = False
         if num_rows < self._mask_rows_in_use:
             self.mask[num_rows : self._mask_rows_in_use].fill_(-1)
         self._mask_rows_in_use = num_rows

@@ -546,9 +546,13 @@ class ModelRunner:
         samples."""
         graphs = self.graphs
         if bitmask is not None and bitmask.rows:
-            rows = self._logits_rows(handle, bitmask)
             bitmask.upload(self.device, out=graphs.mask)
-            graphs.load_mask(len(rows), self._to_device(rows))
+            num_rows = len(bitmask.rows)
+            if handle.plan.sample_rows[:num_rows] == bitmask.rows:
+                # Bitmask row i is logits row i (a batch of constrained requests alone): no row list.
+                graphs.load_mask(num_rows, None)
+            else:
+                graphs.load_mask(num_rows, self._to_device(self._logits_rows(handle, bitmask)))
         else:
             graphs.load_mask(0, None)
         tokens = graphs.replay_masked_sampling(graph_bs)[: len(handle.plan.sample_rows)]

@@ -454,14 +454,24 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
         llm.close()
 
 
-def test_a_constrained_steps_outputs_do_not_wait_for_its_grammars_answers(tiny_qwen3, monkeypatch):
+@pytest.mark.parametrize("num_grammar_processes", [0, 2])
+def test_a_constrained_steps_outputs_do_not_wait_for_its_grammars_answers(
+    tiny_qwen3, monkeypatch, num_grammar_processes
+):
     """With async scheduling a step's constrained tokens are applied (its outputs made) before the
     feeding of those tokens to their grammars is waited for; the answers are checked at the next call,
-    which ends a request whose grammar allows only an EOS it cannot sample (ignore_eos) then."""
+    which ends a request whose grammar allows only an EOS it cannot sample (ignore_eos) then. In grammar
+    processes, that answer is one of the rare results sent on the pipe."""
     from nanoinfer.engine.scheduler import Scheduler
     from nanoinfer.engine.structured_outputs import PendingBitmask, StructuredOutputManager
 
-    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, num_grammar_processes=0, max_num_seqs=8)
+    llm = LLM(
+        tiny_qwen3,
+        device="cpu",
+        async_scheduling=True,
+        num_grammar_processes=num_grammar_processes,
+        max_num_seqs=8,
+    )
     try:
         core = llm.llm_engine.engine_core
         fed: dict[int, list] = {}  # per pending exchange: (request, its tokens when the feeding started)
@@ -739,9 +749,9 @@ def test_a_servers_engine_starts_its_grammar_processes_with_itself(tiny_qwen3, m
 
 def test_compile_answers_between_a_steps_replies_are_kept_for_the_poll():
     """The engine reads a grammar process's pipe in order; a compile's answer read while it waits for a
-    step's replies is kept for the next poll, and the step's replies are still its own."""
-    from nanoinfer.engine.grammar_process import _GrammarProcess
-    from nanoinfer.engine.structured_outputs import ACCEPTED, GrammarFeed
+    step's unusual results is kept for the next poll, and the step's replies (on the pipe and in the
+    board) are still its own."""
+    from nanoinfer.engine.grammar_process import StepBoard, _GrammarProcess
 
     class Pipe:
         def __init__(self, messages):
@@ -753,22 +763,28 @@ def test_compile_answers_between_a_steps_replies_are_kept_for_the_poll():
         def poll(self, timeout=0):
             return bool(self.messages)
 
+    class Posted:
+        def acquire(self, timeout=None):
+            return True
+
     process = _GrammarProcess.__new__(_GrammarProcess)
     process.connection = Pipe(
         [
             ("compiled", 7, None, False),
             {1: ("not allowed", False, False)},
             ("compiled", 8, "structured_outputs.regex is invalid", True),
-            0.25,
             ("compiled", 9, None, False),
         ]
     )
     process.alive, process.ready, process.released = True, True, []
     process.compiling, process._compiled, process._replies, process._unsent = {7, 8, 9}, [], deque(), []
-    feeds = [GrammarFeed(row, grammar=None, token_id=5, eos_blocked=False) for row in (3, 4)]
-    results = process.receive_results(feeds)
-    assert results[3] is ACCEPTED and results[4].error == "not allowed"
-    assert process.receive_fill() == 0.25
+    process.index, process._board = 1, StepBoard.allocate(4, 2)
+    process._fed = process._filled = Posted()
+    process._board.replies[1] = (1, 250_000_000)
+    assert process.wait_fed() == {1: ("not allowed", False, False)}
+    assert process.wait_filled() == 0.25
+    process._board.replies[1, 0] = 0
+    assert process.wait_fed() == {}  # nothing unusual: the pipe is not read
     process.read_available()
     compiled = process.take_compiled()
     assert [(c.key, c.error, c.invalid_input) for c in compiled] == [

@@ -120,6 +120,15 @@ def _masked_sampling_steps(graphs: CudaGraphs) -> None:
         free[2].item(),
         free[3].item(),
     ]
+    # Without a row list, mask row i is logits row i; a list in between names its rows again.
+    for num_rows, logits_rows in ((2, None), (1, torch.tensor([3])), (3, None)):
+        free = new_hidden_states()
+        graphs.mask[:num_rows] = only[:num_rows]
+        graphs.load_mask(num_rows, logits_rows)
+        masked = range(num_rows) if logits_rows is None else logits_rows.tolist()
+        assert graphs.replay_masked_sampling(4).tolist() == [
+            5 if row in masked else free[row].item() for row in range(4)
+        ]
     free = new_hidden_states()
     graphs.load_mask(0, None)
     assert graphs.replay_masked_sampling(4).tolist() == free.tolist()
