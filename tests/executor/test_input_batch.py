@@ -148,3 +148,38 @@ def test_plain_rows_skip_the_per_row_lists_and_a_penalized_row_brings_them_back(
     assert mixed.logit_controls.rows == [1]
     again = metadata_of({"e": SamplingParams(temperature=0.5), "f": SamplingParams(temperature=0.5)})
     assert again.temperature_only and again.penalties is None and again.logit_controls is None
+
+
+def test_a_batch_that_keeps_its_slots_skips_the_gathers_and_a_new_request_in_a_freed_slot_does_not(
+    monkeypatch,
+):
+    """The step's temperature and seed rows are gathered from the slots again only when the sampling
+    rows' slots change or a slot gets a new request (a freed slot taken at the same row)."""
+    batch = InputBatch(max_num_seqs=4, max_blocks_per_seq=4, block_size=BS, device=torch.device("cpu"))
+    gathers = []
+    index_select = torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: gathers.append(1) or index_select(*a, **k))
+
+    def step(running: list[str], new: dict[str, tuple[SamplingParams, int]]):
+        out = SchedulerOutput(
+            scheduled=[row(name, 0, [1, 2], [i]) for i, name in enumerate(running)],
+            new_requests={name: new_request(name, [0], p, seed) for name, (p, seed) in new.items()},
+            finished_request_ids=[name for name in batch.slot_of if name not in running],
+        )
+        _, plan = batch.prepare(out)
+        metadata = batch.sampling_metadata(
+            out, plan, None, batch.to_device(plan.sample_slots), batch.to_device(plan.sample_offsets)
+        )
+        return metadata.temperature.tolist(), metadata.seeds.tolist(), len(gathers)
+
+    a, b, c = (
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+    )
+    assert step(["a", "b"], {"a": (a, 1), "b": (b, 2)}) == ([0.5, 1.0], [1, 2], 2)
+    assert step(["a", "b"], {}) == ([0.5, 1.0], [1, 2], 2)  # the same slots: no gather
+    # "b" ends and "c" takes its slot, at its row, in one step: the same slots, but c's values.
+    assert step(["a", "c"], {"c": (c, 3)}) == ([0.5, 0.0], [1, 3], 4)
+    assert batch.slot_of["c"] == 1
+    assert step(["c"], {}) == ([0.0], [3], 6)  # "a" finished: other rows
