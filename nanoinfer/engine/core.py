@@ -143,7 +143,7 @@ class EngineCore:
         """Runs one step. Without async scheduling: schedule, run, return its outputs. With it: launch
         the next step, then return the outputs of the one launched by the previous call. Requests whose
         constraints failed to compile end in the outputs too."""
-        failed = self._check_fed() + self._take_compiled()
+        failed = self._take_compiled()
         outputs = self._step()
         if failed:
             outputs.outputs[:0] = failed
@@ -152,7 +152,10 @@ class EngineCore:
     def _check_fed(self) -> list[EngineCoreOutput]:
         """The outputs of the requests that the previous call's grammar answers end: those answers came
         after their tokens were applied, which is how a constrained step's outputs leave the engine
-        without waiting for the grammars (the answers are back by now, after the outputs were made)."""
+        without waiting for the grammars. Checked just before the next bitmask is taken (the grammar
+        processes feed before they fill), so that the engine waits for them once, after this call's
+        schedule and inputs; a request they end has a row in the step scheduled meanwhile, which is
+        wasted (its token is dropped), as when a step ends a request while the next is in flight."""
         if self._unchecked is None:
             return []
         out, pending, feeds = self._unchecked
@@ -204,12 +207,13 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None
         deferred = previous is not None and previous[1].deferred is not None
         staged_inputs = None
+        if deferred and prepared is not None:
+            # While the grammar processes finish the previous step's bitmask: this step's inputs go to the
+            # device now (that deferred sampling reads none of their buffers), so that only the gather of
+            # its pending tokens and its launch are left after that sampling.
+            staged_inputs = self.executor.stage(prepared)
+        ended = self._check_fed()
         if deferred:
-            if prepared is not None:
-                # While the grammar processes finish the previous step's bitmask: this step's inputs go to
-                # the device now (that deferred sampling reads none of their buffers), so that only the
-                # gather of its pending tokens and its launch are left after that sampling.
-                staged_inputs = self.executor.stage(prepared)
             # The previous step's sampling waited for its bitmask; its tokens are this step's inputs.
             self._sample_structured(*previous)
         if prepared is not None:
@@ -233,7 +237,7 @@ class EngineCore:
             elif previous_result is not None:
                 previous[0].grammar_results = self.structured_outputs.feed(feeds)
         if previous is None:
-            return EngineCoreOutputs()
+            return EngineCoreOutputs(ended)
         if fed:
             # The previous step's outputs are made now, its constrained tokens taken as accepted: the
             # grammars accept nearly every token (their masks allowed it), so the outputs do not wait for
@@ -242,7 +246,10 @@ class EngineCore:
             # failure) or of a grammar that allows only an EOS the request cannot sample.
             previous[0].grammar_results = dict.fromkeys((feed.row for feed in feeds), ACCEPTED)
             self._unchecked = (previous[0], self._pending_bitmask[1], feeds)
-        return self._finish_step(*previous, previous_result)
+        outputs = self._finish_step(*previous, previous_result)
+        if ended:
+            outputs.outputs[:0] = ended
+        return outputs
 
     def _grammars(self, out: SchedulerOutput) -> list[tuple[int, Grammar | RemoteGrammar]]:
         """The (row, grammar) pairs of a step's constrained rows whose requests are still running."""

@@ -482,14 +482,30 @@ def test_a_constrained_steps_outputs_do_not_wait_for_its_grammars_answers(
             pending = start_bitmask(self, grammars, feeds)
             requests = {id(r.grammar): r for r in core.scheduler.requests.values() if r.grammar is not None}
             fed[id(pending)] = [(requests[id(f.grammar)], requests[id(f.grammar)].num_tokens) for f in feeds]
+            starts[id(pending)] = schedules[-1]
             return pending
 
         wait_advanced = PendingBitmask.wait_advanced
 
+        # Per wait for an exchange's feeding: whether a step was scheduled since the exchange started.
+        scheduled_before_wait = []
+
         def recorded_wait(self):
-            for request, num_tokens in fed.pop(id(self), ()):
+            feeds = fed.pop(id(self), None)
+            if feeds is not None:
+                scheduled_before_wait.append(schedules[-1] > starts[id(self)])
+            for request, num_tokens in feeds or ():
                 (applied_first if request.num_tokens == num_tokens + 1 else waited_first).append(request)
             return wait_advanced(self)
+
+        schedules, starts = [0], {}
+        schedule = core.scheduler.schedule
+
+        def counted_schedule():
+            schedules.append(schedules[-1] + 1)
+            return schedule()
+
+        core.scheduler.schedule = counted_schedule
 
         apply_late = Scheduler.apply_late_grammar_result
 
@@ -508,6 +524,8 @@ def test_a_constrained_steps_outputs_do_not_wait_for_its_grammars_answers(
         )
         outputs = llm.generate([*prompts, "question"], params, use_tqdm=False)
         assert waited_first == [] and len(applied_first) >= 20
+        # The answers are waited for once the next step is scheduled (its inputs made meanwhile).
+        assert len(scheduled_before_wait) >= 20 and all(scheduled_before_wait), scheduled_before_wait
         ended = outputs[-1].outputs[0]
         assert ended.text in ("yes", "no") and ended.finish_reason == "stop"
         assert [(o.request_id, o.finish_reason) for o in late if o is not None] == [
