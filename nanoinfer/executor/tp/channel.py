@@ -2,10 +2,12 @@
 tensor-parallel workers.
 
 One message at a time lives in a shared-memory segment: 8 bytes of length, then a pickle. Each reader
-has two events: ``ready`` (the writer published a message) and ``ack`` (the reader has finished reading
-it). The writer waits for every reader's ack before it writes the next message, so it never overwrites
-one that a reader is still unpickling. While it waits it keeps checking that the readers are alive; a
-reader in turn checks that its writer is alive, so neither side can hang on a dead peer.
+has two semaphores: ``ready`` (the writer published a message) and ``ack`` (the reader has finished
+reading it). The writer waits for every reader's ack before it writes the next message, so it never
+overwrites one that a reader is still unpickling. While it waits it keeps checking that the readers are
+alive; a reader in turn checks that its writer is alive, so neither side can hang on a dead peer.
+Semaphores rather than multiprocessing's events: an event's ``set`` waits until each process sleeping in
+its ``wait`` has woken, forever if one was killed there (a worker killed mid-run hung rank 0 that way).
 
 The segment's name is unique (pid and a random token) and is unlinked as soon as every reader has
 attached: from then on it exists only as mappings, and nothing is left in /dev/shm whatever happens to
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
-from multiprocessing.synchronize import Event
+from multiprocessing.synchronize import Semaphore
 from typing import Any
 
 _LENGTH = struct.Struct("<Q")
@@ -39,8 +41,8 @@ class ChannelReaderHandle:
 
     name: str
     capacity: int
-    ready: Event
-    ack: Event
+    ready: Semaphore
+    ack: Semaphore
 
 
 class ChannelWriter:
@@ -52,8 +54,8 @@ class ChannelWriter:
         self.name = f"{NAME_PREFIX}_{os.getpid()}_{secrets.token_hex(6)}"
         self.shm = SharedMemory(name=self.name, create=True, size=_LENGTH.size + capacity)
         self.linked = True
-        self.ready = [ctx.Event() for _ in range(num_readers)]
-        self.ack = [ctx.Event() for _ in range(num_readers)]
+        self.ready = [ctx.Semaphore(0) for _ in range(num_readers)]
+        self.ack = [ctx.Semaphore(0) for _ in range(num_readers)]
         # Readers acknowledge attaching like a message: the first wait is for that.
         self.awaiting_acks = True
 
@@ -66,13 +68,12 @@ class ChannelWriter:
             return
         deadline = time.monotonic() + timeout_s
         for i, ack in enumerate(self.ack):
-            while not ack.wait(POLL_INTERVAL_S):
+            while not ack.acquire(timeout=POLL_INTERVAL_S):
                 check_alive()
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"channel reader {i} did not acknowledge a message within {timeout_s} s"
                     )
-            ack.clear()
         self.awaiting_acks = False
         if self.linked:
             self._unlink()
@@ -92,7 +93,7 @@ class ChannelWriter:
         _LENGTH.pack_into(buf, 0, len(data))
         self.awaiting_acks = True
         for ready in self.ready:
-            ready.set()
+            ready.release()
 
     def _unlink(self) -> None:
         self.linked = False
@@ -112,21 +113,20 @@ class ChannelReader:
     def __init__(self, handle: ChannelReaderHandle):
         self.handle = handle
         self.shm = SharedMemory(name=handle.name)
-        handle.ack.set()  # attached: the writer may unlink the name
+        handle.ack.release()  # attached: the writer may unlink the name
 
     def recv(self, writer_alive: Callable[[], bool]) -> tuple[bool, Any]:
         """Blocks for the next message: (True, message), or (False, None) once ``writer_alive()`` is
         false."""
         ready, ack = self.handle.ready, self.handle.ack
-        while not ready.wait(POLL_INTERVAL_S):
+        while not ready.acquire(timeout=POLL_INTERVAL_S):
             if not writer_alive():
                 return False, None
-        ready.clear()
         buf = self.shm.buf
         (length,) = _LENGTH.unpack_from(buf, 0)
         with buf[_LENGTH.size : _LENGTH.size + length] as payload:
             message = pickle.loads(payload)
-        ack.set()
+        ack.release()
         return True, message
 
     def close(self) -> None:

@@ -190,6 +190,49 @@ def test_across_processes_with_step_inputs():
     assert not _segment_exists(writer.name)
 
 
+def _wait_for_a_message(handle) -> None:
+    ChannelReader(handle).recv(lambda: True)
+
+
+def test_a_reader_killed_while_it_waits_does_not_block_the_writer():
+    """A reader process killed inside its wait for the next message (as a worker killed between steps):
+    the writer's publish returns at once and its next send reports the dead reader. (Multiprocessing's
+    events hang here: their set() waits for every process that sleeps in their wait() to wake.)"""
+    ctx = mp.get_context("spawn")
+    writer = ChannelWriter(1024, 1, ctx)
+    process = ctx.Process(target=_wait_for_a_message, args=(writer.reader_handle(0),), daemon=True)
+    process.start()
+
+    def check_alive():
+        if process.exitcode is not None:
+            raise RuntimeError("reader exited")
+
+    outcome: list = []
+
+    def send_twice():
+        try:
+            writer.send("one", check_alive, 30)
+            outcome.append("published")
+            writer.send("two", check_alive, 30)
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    try:
+        writer.wait_acks(check_alive, 30)  # attached; now (or soon) waiting for "one"
+        time.sleep(0.5)
+        process.kill()
+        process.join(10)
+        sender = threading.Thread(target=send_twice, daemon=True)
+        sender.start()
+        sender.join(10)
+        assert not sender.is_alive(), "the writer hangs on the dead reader"
+        assert outcome == ["published", "reader exited"]
+    finally:
+        if process.is_alive():
+            process.kill()
+        writer.close()
+
+
 @pytest.mark.parametrize(
     "seqs, budget, max_model_len, block_size",
     [(1, 16, 16, 16), (4, 64, 300, 16), (256, 16384, 4096, 16), (64, 8192, 40960, 256), (512, 512, 2048, 16)],
