@@ -126,8 +126,9 @@ class StepBoard:
     - ``feeds`` [3, rows]: each feed's grammar key, token id and eos_blocked;
     - ``fills`` [2, rows]: each fill's grammar key and bitmask row;
     - ``released`` [processes, 1 + rows]: per process, a count, then keys of its grammars to drop;
-    - ``replies`` [processes, 2]: per process, the count of its feeds' results that are not a plain
-      acceptance (sent on the pipe), and its latest fill's nanoseconds."""
+    - ``replies`` [processes, 3]: per process, the count of its feeds' results that are not a plain
+      acceptance (sent on the pipe), its latest fill's nanoseconds, and how many grammars it holds
+      (those of requests that are gone included, until their keys reach it)."""
 
     def __init__(self, tensor: torch.Tensor, rows: int, num_processes: int):
         self.tensor, self.rows, self.num_processes = tensor, rows, num_processes
@@ -137,11 +138,11 @@ class StepBoard:
         self.feeds = words[2 : 2 + 3 * rows].reshape(3, rows)
         self.fills = words[2 + 3 * rows : 2 + 5 * rows].reshape(2, rows)
         self.released = words[2 + 5 * rows : released_end].reshape(num_processes, 1 + rows)
-        self.replies = words[released_end:].reshape(num_processes, 2)
+        self.replies = words[released_end:].reshape(num_processes, 3)
 
     @classmethod
     def allocate(cls, rows: int, num_processes: int) -> StepBoard:
-        size = 2 + 5 * rows + num_processes * (1 + rows) + 2 * num_processes
+        size = 2 + 5 * rows + num_processes * (1 + rows) + 3 * num_processes
         return cls(torch.zeros(size, dtype=torch.int64).share_memory_(), rows, num_processes)
 
 
@@ -237,6 +238,11 @@ class GrammarProcesses:
                 process.post_step()
                 sent.append((process, bool(fill)))
         return GrammarExchange(sent, feeds, fills, self.bitmask)
+
+    def grammars_held(self) -> list[int]:
+        """How many grammars each process held when it last answered a step (the keys of requests that
+        are gone reach a process with its next step or compile)."""
+        return self.board.replies[:, 2].tolist()
 
     def close(self) -> None:
         for process in self.processes:
@@ -573,6 +579,7 @@ def serve(
             if result is not ACCEPTED:
                 unusual[i] = (result.error, result.blocks_eos, result.invalid_input)
         board.replies[index, 0] = len(unusual)
+        board.replies[index, 2] = len(grammars)
         if unusual:
             with contextlib.suppress(OSError):
                 send(unusual)

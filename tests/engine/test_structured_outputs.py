@@ -536,6 +536,26 @@ def test_a_constrained_steps_outputs_do_not_wait_for_its_grammars_answers(
         llm.close()
 
 
+def test_the_grammar_processes_drop_the_grammars_of_finished_requests(tiny_qwen3):
+    """The keys of finished requests' grammars reach their processes with the next steps (in the step
+    board), which drop them: after a second batch, the processes hold that batch's grammars alone."""
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True, num_grammar_processes=2, max_num_seqs=8)
+    try:
+        regex, check = CHECKS["regex"]
+        params = [SamplingParams(seed=i, max_tokens=30, structured_outputs=regex) for i in range(6)]
+        for output in llm.generate(PROMPTS[:1] * 6, params, use_tqdm=False):
+            check(output.outputs[0].text)
+        processes = llm.llm_engine.engine_core.structured_outputs._processes
+        assert sum(processes.grammars_held()) >= 2  # the first batch's, as of its last steps
+        # Two more requests: one grammar in each process, whose steps carry the first batch's keys.
+        for output in llm.generate(PROMPTS[:1] * 2, params[:2], use_tqdm=False):
+            check(output.outputs[0].text)
+        assert processes.grammars_held() == [1, 1]
+        _no_leak(llm)
+    finally:
+        llm.close()
+
+
 def _token_ids(
     model: str, prompts: list[str], params: list[SamplingParams], **engine_kwargs
 ) -> list[list[int]]:
@@ -798,7 +818,7 @@ def test_compile_answers_between_a_steps_replies_are_kept_for_the_poll():
     process.compiling, process._compiled, process._replies, process._unsent = {7, 8, 9}, [], deque(), []
     process.index, process._board = 1, StepBoard.allocate(4, 2)
     process._fed = process._filled = Posted()
-    process._board.replies[1] = (1, 250_000_000)
+    process._board.replies[1, :2] = (1, 250_000_000)
     assert process.wait_fed() == {1: ("not allowed", False, False)}
     assert process.wait_filled() == 0.25
     process._board.replies[1, 0] = 0
