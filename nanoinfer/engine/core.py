@@ -91,10 +91,6 @@ class EngineCore:
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
         )
         self.async_scheduling = config.async_scheduling
-        # Whether a constrained step wakes the grammar processes once the sampling whose tokens they will
-        # be fed is launched: on CUDA, where that launch returns at once. On the CPU the sampling and the
-        # next forward pass run inside their launches, so the processes would poll through them for nothing.
-        self.wakes_grammar_processes = config.device == "cuda"
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # The bitmask of the in-flight step's constrained rows, filling in the grammar processes.
         self._pending_bitmask: tuple[SchedulerOutput, PendingBitmask] | None = None
@@ -220,9 +216,6 @@ class EngineCore:
         if deferred:
             # The previous step's sampling waited for its bitmask; its tokens are this step's inputs.
             self._sample_structured(*previous)
-            if constrained and self.wakes_grammar_processes:
-                # Its tokens go to the grammar processes in a few hundred microseconds (below).
-                self.structured_outputs.wake_grammar_processes()
         if prepared is not None:
             # Launched right after the sampling it follows, so that the device goes from one to the other.
             self._in_flight = (out, self.executor.launch(out, prepared, constrained, staged_inputs))

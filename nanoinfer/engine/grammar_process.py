@@ -26,12 +26,6 @@ each, three per process and step (run 81: about 430 us of a 2.2 ms step with eig
 semaphore costs about a microsecond. Feeds' results that are not a plain acceptance, rare, follow on
 the pipe as {feed index: (error, blocks_eos, invalid_input)} before "fed" is posted.
 
-Waking a process that sleeps on its semaphore can take longer than its work (see ``POLL_S``). So on
-CUDA the engine wakes the processes of a step once it has launched the sampling whose tokens the next
-step feeds them (:meth:`GrammarProcesses.wake`, a post that carries no step): each polls its semaphore
-for the step, for ``POLL_S`` at most, and the board's count of steps posted to it tells the step's post
-from the wake. The engine's own waits for the processes' answers poll first too.
-
 The pipe carries the rest, pickled; the engine's thread alone sends ``("compile", released, key,
 params)``: compile ``params`` as grammar ``key``; answered, whenever it is done, by ``("compiled", key,
 error, invalid_input)`` (error None: compiled; ``invalid_input``: the constraint's fault, as the
@@ -81,12 +75,6 @@ SWITCH_INTERVAL_S = 0.0002
 # How often the engine's wait for a process's semaphore checks that the process is alive (a dead one
 # never posts).
 LIVENESS_CHECK_S = 0.05
-# How long a wait polls its semaphore before it sleeps on it: the engine's waits for the processes'
-# answers, and a process woken ahead of its step (GrammarProcesses.wake). On the H100's host (a virtual
-# machine) a sleeping process took hundreds of microseconds to run again after its semaphore was posted
-# (run 87: the feeding's answers came about 1 ms after the step was posted, though feeding took tens of
-# microseconds); a poll answers within a microsecond, for a core kept busy that long at most.
-POLL_S = 0.001
 
 
 class RemoteGrammar:
@@ -130,18 +118,9 @@ class GrammarProcessExited(RuntimeError):
     pass
 
 
-def poll(semaphore: Any, seconds: float) -> bool:
-    """Acquires ``semaphore`` without sleeping on it, trying for up to ``seconds``; whether it did."""
-    deadline = time.perf_counter() + seconds
-    while not semaphore.acquire(False):
-        if time.perf_counter() > deadline:
-            return False
-    return True
-
-
 class StepBoard:
     """One step's feeds and fills in shared memory: written by the engine's thread, read by the processes
-    it wakes (see the module docstring). One int64 tensor, shared with every process, in six parts:
+    it wakes (see the module docstring). One int64 tensor, shared with every process, in five parts:
 
     - ``counts``: the step's number of feeds and of fills;
     - ``feeds`` [3, rows]: each feed's grammar key, token id and eos_blocked;
@@ -149,9 +128,7 @@ class StepBoard:
     - ``released`` [processes, 1 + rows]: per process, a count, then keys of its grammars to drop;
     - ``replies`` [processes, 3]: per process, the count of its feeds' results that are not a plain
       acceptance (sent on the pipe), its latest fill's nanoseconds, and how many grammars it holds
-      (those of requests that are gone included, until their keys reach it);
-    - ``posted`` [processes]: how many steps have been posted to each process (a process woken by
-      :meth:`GrammarProcesses.wake` tells so its step from a wake ahead of it)."""
+      (those of requests that are gone included, until their keys reach it)."""
 
     def __init__(self, tensor: torch.Tensor, rows: int, num_processes: int):
         self.tensor, self.rows, self.num_processes = tensor, rows, num_processes
@@ -161,40 +138,12 @@ class StepBoard:
         self.feeds = words[2 : 2 + 3 * rows].reshape(3, rows)
         self.fills = words[2 + 3 * rows : 2 + 5 * rows].reshape(2, rows)
         self.released = words[2 + 5 * rows : released_end].reshape(num_processes, 1 + rows)
-        self.replies = words[released_end : released_end + 3 * num_processes].reshape(num_processes, 3)
-        self.posted = words[released_end + 3 * num_processes :]
+        self.replies = words[released_end:].reshape(num_processes, 3)
 
     @classmethod
     def allocate(cls, rows: int, num_processes: int) -> StepBoard:
-        size = 2 + 5 * rows + num_processes * (1 + rows) + 4 * num_processes
+        size = 2 + 5 * rows + num_processes * (1 + rows) + 3 * num_processes
         return cls(torch.zeros(size, dtype=torch.int64).share_memory_(), rows, num_processes)
-
-
-class StepPosts:
-    """A grammar process's side of its ``work`` semaphore, which the engine posts for each step (after
-    counting it in the board's ``posted``) and to wake the process ahead of a step."""
-
-    def __init__(self, work: Any, posted: np.ndarray, index: int, closed: threading.Event):
-        self._work, self._posted, self._index, self._closed = work, posted, index, closed
-        self._served = 0  # the count of steps posted when the latest one served was
-        self._acquired = False  # a post taken by the poll, not looked at yet
-
-    def next_step(self) -> bool:
-        """Waits for a step posted since the latest one served; False once ``closed`` is set (which
-        posts ``work`` too)."""
-        while True:
-            if not self._acquired:
-                self._work.acquire()
-            self._acquired = False
-            if self._closed.is_set():
-                return False
-            posted = int(self._posted[self._index])
-            if posted != self._served:
-                self._served = posted
-                return True
-            # A wake ahead of the step, or the post of a step already served (taken with the wake
-            # before it): poll for the step, then sleep.
-            self._acquired = poll(self._work, POLL_S)
 
 
 class GrammarProcesses:
@@ -221,12 +170,8 @@ class GrammarProcesses:
         # process, takes all of them (with one thread each, eight processes on the H100's 16-core host
         # took about 2 s to compile the engine benchmark's schema; run 73).
         self._num_threads = max(1, default_num_threads() // num_processes)
-        # The engine's waits for the processes poll first on CUDA only: on the CPU the engine's polling
-        # thread would take a core from the processes it waits for.
-        self._poll_s = POLL_S if config.device == "cuda" else 0.0
         self.board = StepBoard.allocate(num_rows, num_processes)
         self.processes = [self._start(i) for i in range(num_processes)]
-        self._last_sent: list[_GrammarProcess] = []  # the processes the latest step was posted to
         # The compiles that processes which have since exited were running, answered as failed.
         self._orphaned: list[CompiledGrammar] = []
 
@@ -261,7 +206,7 @@ class GrammarProcesses:
         return done
 
     def _start(self, index: int) -> _GrammarProcess:
-        return _GrammarProcess(self._config, self.bitmask, self.board, index, self._num_threads, self._poll_s)
+        return _GrammarProcess(self._config, self.bitmask, self.board, index, self._num_threads)
 
     def send_step(
         self, feeds: Sequence[GrammarFeed], fills: Sequence[tuple[int, RemoteGrammar]]
@@ -292,15 +237,7 @@ class GrammarProcesses:
             if wake:
                 process.post_step()
                 sent.append((process, bool(fill)))
-        self._last_sent = [process for process, _ in sent]
         return GrammarExchange(sent, feeds, fills, self.bitmask)
-
-    def wake(self) -> None:
-        """Wakes the processes that the latest step was posted to, ahead of the next step (the engine has
-        launched the sampling whose tokens it will feed them): they poll for it instead of sleeping, so
-        that the step's post does not wait for a sleeping process to be run again."""
-        for process in self._last_sent:
-            process.wake()
 
     def grammars_held(self) -> list[int]:
         """How many grammars each process held when it last answered a step (the keys of requests that
@@ -369,20 +306,13 @@ class _GrammarProcess:
     """One grammar process, started here; it is ready once its first message has been read."""
 
     def __init__(
-        self,
-        config: EngineConfig,
-        bitmask: torch.Tensor,
-        board: StepBoard,
-        index: int,
-        num_threads: int,
-        poll_s: float = 0.0,
+        self, config: EngineConfig, bitmask: torch.Tensor, board: StepBoard, index: int, num_threads: int
     ):
         from nanoinfer.engine.request import engine_eos_token_ids
 
         context = mp.get_context("spawn")
         self.connection, child_connection = context.Pipe()
         self.index = index  # the process holds grammar key k where k % board.num_processes == index
-        self._poll_s = poll_s  # how long the engine's waits for the process poll before they sleep
         self._board = board
         # Posted by the engine (a step for the process), and by the process (fed; filled).
         self._work, self._fed, self._filled = (context.Semaphore(0) for _ in range(3))
@@ -459,13 +389,7 @@ class _GrammarProcess:
         slot = board.released[self.index]
         slot[0] = len(released)
         slot[1 : 1 + len(released)] = released
-        board.posted[self.index] += 1
         self._work.release()
-
-    def wake(self) -> None:
-        """Wakes the process ahead of its next step (see :meth:`GrammarProcesses.wake`)."""
-        if self.alive:
-            self._work.release()
 
     def wait_fed(self) -> dict[int, tuple[str | None, bool, bool]]:
         """Waits until the process has fed its grammars the step's tokens; the results that are not a
@@ -481,8 +405,6 @@ class _GrammarProcess:
     def _wait(self, semaphore: Any) -> None:
         if not self.alive:
             raise GrammarProcessExited("the grammar process has exited")
-        if self._poll_s and poll(semaphore, self._poll_s):
-            return
         while not semaphore.acquire(timeout=LIVENESS_CHECK_S):
             if not self._process.is_alive():
                 self._exited()
@@ -635,8 +557,10 @@ def serve(
 
     threading.Thread(target=read_pipe, name="nanoinfer-grammar-pipe", daemon=True).start()
     lost = GrammarResult("structured_outputs: the request's grammar was lost (the grammar process restarted)")
-    steps = StepPosts(work, board.posted, index, closed)
-    while steps.next_step():
+    while True:
+        work.acquire()
+        if closed.is_set():
+            return
         # Everything this process needs from the board is read before "fed" is posted: after the engine
         # has its replies it may write the next step there.
         released = board.released[index]

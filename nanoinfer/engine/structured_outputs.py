@@ -225,12 +225,6 @@ class StructuredOutputManager:
         done = [key for key, future in self._compiling.items() if future.done()]
         return [self._compiling.pop(key).result() for key in done]
 
-    def wake_grammar_processes(self) -> None:
-        """Tells the grammar processes of the latest step that the next one is coming (its tokens are being
-        sampled): they poll for it rather than sleep (see ``GrammarProcesses.wake``)."""
-        if self._processes is not None:
-            self._processes.wake()
-
     def feed(self, feeds: list[GrammarFeed]) -> dict[int, GrammarResult]:
         """Each feed's result by row, fed now."""
         self.finish_pending()

@@ -384,10 +384,9 @@ def test_async_scheduling_samples_a_constrained_step_after_preparing_the_next_an
 def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qwen3, monkeypatch):
     """With the grammars in processes of their own (the CUDA default) and async scheduling, a
     constrained step's inputs are copied to the device before the previous step's sampling (which waited
-    for its bitmask), the processes are woken once that sampling is launched (as on CUDA), and its
-    feeding and fill are sent to them once it is launched; the engine's process never asks a grammar
-    anything, the outputs stay valid, and the seeded tokens are those of a run without async scheduling
-    and with the grammars on the engine's thread."""
+    for its bitmask), and its feeding and fill are sent to the processes once it is launched; the
+    engine's process never asks a grammar anything, the outputs stay valid, and the seeded tokens are
+    those of a run without async scheduling and with the grammars on the engine's thread."""
     from nanoinfer.structured.backend import LLGuidanceGrammar
     from nanoinfer.structured.xgrammar_backend import XGrammarGrammar
 
@@ -414,16 +413,6 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
         filled_in_flight: list[bool] = []
         launch = core.executor.launch
         start_bitmask = core.structured_outputs.start_bitmask
-        sample, wake = core.executor.sample, core.structured_outputs.wake_grammar_processes
-        calls: list[str] = []  # sample, wake and start, in order
-
-        def logged_sample(handle, bitmask):
-            calls.append("sample")
-            return sample(handle, bitmask)
-
-        def logged_wake():
-            calls.append("wake")
-            return wake()
 
         def logged_launch(out, prepared, defer_sampling=False, staged_inputs=None):
             if defer_sampling:
@@ -435,7 +424,6 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
         def logged_start_bitmask(grammars, feeds):
             # The bitmask being started is that of the step just launched, now in flight.
             filled_in_flight.append(bool(launched) and core._in_flight[0] is launched[-1])
-            calls.append("start" if feeds else "start without feeds")
             return start_bitmask(grammars, feeds)
 
         schedule = core.scheduler.schedule
@@ -449,9 +437,6 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
         core.executor.launch = logged_launch
         core.scheduler.schedule = logged_schedule
         core.structured_outputs.start_bitmask = logged_start_bitmask
-        core.executor.sample = logged_sample
-        core.wakes_grammar_processes = True  # as on CUDA
-        core.structured_outputs.wake_grammar_processes = logged_wake
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         for output, kind in zip(outputs, MIXED_KINDS, strict=False):
@@ -462,10 +447,6 @@ def test_the_grammar_processes_feed_and_fill_while_the_forward_pass_runs(tiny_qw
         # constrained requests join as their constraints compile, so some follow an unconstrained step).
         assert all(inputs_staged == after_constrained for inputs_staged, after_constrained in staged), staged
         assert sum(inputs_staged for inputs_staged, _ in staged) >= 20, staged
-        # Every step that feeds the processes a sampling's tokens wakes them once that sampling is launched.
-        sequence = " ".join(calls)
-        assert sequence.count("sample wake start") >= 20, sequence
-        assert calls.count("wake") == sequence.count("sample wake start") == calls.count("start"), sequence
         assert asked_here == []
         assert llm.llm_engine.stats()["structured_mask_steps"] >= 20
         _no_leak(llm)
@@ -819,7 +800,7 @@ def test_compile_answers_between_a_steps_replies_are_kept_for_the_poll():
     """The engine reads a grammar process's pipe in order; a compile's answer read while it waits for a
     step's unusual results is kept for the next poll, and the step's replies (on the pipe and in the
     board) are still its own."""
-    from nanoinfer.engine.grammar_process import POLL_S, StepBoard, _GrammarProcess
+    from nanoinfer.engine.grammar_process import StepBoard, _GrammarProcess
 
     class Pipe:
         def __init__(self, messages):
@@ -846,7 +827,7 @@ def test_compile_answers_between_a_steps_replies_are_kept_for_the_poll():
     )
     process.alive, process.ready, process.released = True, True, []
     process.compiling, process._compiled, process._replies, process._unsent = {7, 8, 9}, [], deque(), []
-    process.index, process._board, process._poll_s = 1, StepBoard.allocate(4, 2), POLL_S
+    process.index, process._board = 1, StepBoard.allocate(4, 2)
     process._fed = process._filled = Posted()
     process._board.replies[1, :2] = (1, 250_000_000)
     assert process.wait_fed() == {1: ("not allowed", False, False)}
