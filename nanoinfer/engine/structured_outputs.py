@@ -40,6 +40,7 @@ from nanoinfer.structured.params import StructuredOutputsParams
 if TYPE_CHECKING:
     # The grammar libraries are imported by the first constrained request only.
     from nanoinfer.engine.grammar_process import GrammarProcesses, RemoteGrammar
+    from nanoinfer.executor.model_runner import StepHandle
     from nanoinfer.structured.backend import Grammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -96,15 +97,16 @@ class GrammarBitmask:
 
     rows: list[int]  # indices into SchedulerOutput.scheduled, of rows that sample
     bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)] on the CPU (see structured/backend.py)
-    # The buffer's event (CUDA; one for all its bitmasks: creating one costs more than the copy's launch),
-    # recorded after the copy to the GPU, which reads the (pinned) buffer until then.
-    upload_event: torch.cuda.Event | None = None
-    uploaded: bool = False
+    # The step whose sampling the bitmask was uploaded for (set by ModelRunner.sample): on CUDA the copy
+    # reads the pinned buffer until the device gets to it, which is before that sampling, so the buffer
+    # is refilled only once the step's tokens are on the host (StepHandle.wait; see
+    # StructuredOutputManager._take_buffer). An event recorded after the copy would say the same at the
+    # cost of two CUDA calls per step (its record and its wait: 20-30 us each on the H100's host).
+    read_by: StepHandle | None = None
 
     def upload(self, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
         """The bitmask on ``device`` (in the first rows of ``out`` when given), without waiting for the
-        device: the buffer is pinned on CUDA, and is refilled only after the upload event (see
-        :meth:`StructuredOutputManager._take_buffer`)."""
+        device: the buffer is pinned on CUDA (see ``read_by``)."""
         on_cuda = device.type == "cuda"
         if out is None:
             if not on_cuda:
@@ -113,9 +115,6 @@ class GrammarBitmask:
         else:
             masks = out[: self.bitmask.shape[0]]
             masks.copy_(self.bitmask, non_blocking=on_cuda)
-        if on_cuda:
-            self.upload_event.record()
-            self.uploaded = True
         return masks
 
 
@@ -138,7 +137,6 @@ class StructuredOutputManager:
         self._compiling: dict[int, concurrent.futures.Future] = {}
         self._buffer: torch.Tensor | None = None
         self._last: GrammarBitmask | None = None  # the latest bitmask made in the buffer
-        self._upload_event: torch.cuda.Event | None = None
         self._pending: PendingBitmask | None = None  # the grammar processes' exchange in flight
         # For the structured-outputs benchmark: time spent filling bitmasks, and waiting for the grammar
         # processes.
@@ -298,13 +296,14 @@ class StructuredOutputManager:
             self._processes = None
 
     def _take_buffer(self, grammars: list[tuple[int, Any]]) -> GrammarBitmask:
-        """The next bitmask, in the one buffer. Its previous bitmask's copy to the GPU came before the
-        sampling whose tokens advanced these matchers, so the wait is for a finished copy."""
+        """The next bitmask, in the one buffer, once the device has copied the previous one (see
+        ``GrammarBitmask.read_by``)."""
         from nanoinfer.structured.backend import allocate_token_bitmask
 
         previous = self._last
-        if previous is not None and previous.uploaded:
-            previous.upload_event.synchronize()
+        if previous is not None and previous.read_by is not None:
+            # Nearly always done already: the step's result is read before the next bitmask is taken.
+            previous.read_by.wait()
         num_rows = len(grammars)
         if self._buffer is None or self._buffer.shape[0] < num_rows:
             self._buffer = allocate_token_bitmask(
@@ -312,9 +311,7 @@ class StructuredOutputManager:
                 self._config.hf_config.vocab_size,
                 pin_memory=self._config.device == "cuda",
             )
-        if self._upload_event is None and self._config.device == "cuda":
-            self._upload_event = torch.cuda.Event()
-        self._last = GrammarBitmask([row for row, _ in grammars], self._buffer[:num_rows], self._upload_event)
+        self._last = GrammarBitmask([row for row, _ in grammars], self._buffer[:num_rows])
         return self._last
 
 

@@ -85,11 +85,17 @@ class StepHandle:
         self.prompt_logprobs: TokenLogprobs | None = None
         self.failed_rows: dict[int, str] = {}  # logits row -> error
 
-    def result(self) -> RunnerOutput:
+    def wait(self) -> None:
+        """Waits until the step's sampled tokens are on the host: every device operation launched before
+        them is done too (a grammar bitmask's copy among them)."""
         if self.deferred is not None:
             raise RuntimeError("the step's sampling was deferred and never launched (ModelRunner.sample)")
-        if self._event is not None:
+        if self._wait is not None:
             self._wait(self._event)
+            self._wait = None  # waited: later calls return at once
+
+    def result(self) -> RunnerOutput:
+        self.wait()
         plan = self.plan
         token_ids = [-1] * len(self.out.scheduled)
         if self._tokens is not None:
@@ -526,6 +532,10 @@ class ModelRunner:
             raise RuntimeError("sample() needs a step executed with defer_sampling=True")
         (logits, metadata), handle.deferred = handle.deferred, None
         graph_bs, handle.deferred_graph_bs = handle.deferred_graph_bs, None
+        if bitmask is not None:
+            # Its buffer is refilled only once this step's tokens are on the host (the copy to the device
+            # comes before them).
+            bitmask.read_by = handle
         if graph_bs is not None:
             self._sample_in_graph(handle, graph_bs, bitmask)
             return

@@ -173,6 +173,44 @@ def test_n_completions_and_streaming_deltas_each_follow_the_constraint(llm):
     _no_leak(llm)
 
 
+def test_a_bitmask_buffer_is_refilled_only_after_the_step_that_read_it(llm):
+    """On CUDA the bitmask's copy to the device reads its pinned buffer until the device gets to it: each
+    bitmask sampled under names that step as its reader, and the next bitmask is taken only after that
+    step's tokens were waited for (which the engine has nearly always done by then, so the take waits for
+    nothing). Here with fake readers, whose waits are counted."""
+    from nanoinfer.executor.model_runner import StepHandle
+
+    core = llm.llm_engine.engine_core
+    sample, readers = core.executor.sample, []
+
+    def logged_sample(handle, bitmask):
+        sample(handle, bitmask)
+        if bitmask is not None:
+            readers.append(bitmask.read_by is handle)
+
+    core.executor.sample = logged_sample
+    try:
+        constraint, check = CHECKS["regex"]
+        params = [SamplingParams(seed=i, max_tokens=30, structured_outputs=constraint) for i in range(3)]
+        for output in llm.generate(PROMPTS[:3], params, use_tqdm=False):
+            check(output.outputs[0].text)
+    finally:
+        core.executor.sample = sample
+    assert len(readers) >= 5 and all(readers), readers
+    manager = core.structured_outputs
+    manager.finish_pending()
+    waits: list[str] = []
+    reader = StepHandle(None, None)
+    reader._event, reader._wait = "tokens", waits.append  # as on CUDA: a device wait on the tokens' event
+    manager._take_buffer([(0, None)]).read_by = reader
+    assert waits == []
+    manager._take_buffer([(0, None)])
+    assert waits == ["tokens"]
+    reader.wait()  # waited once: later waits (the step's result) return at once
+    assert waits == ["tokens"]
+    _no_leak(llm)
+
+
 def test_constrained_requests_aborted_while_their_sampling_waits_leave_the_others_intact(llm):
     """An abort between steps may hit a request whose step is launched with its sampling deferred (the
     bitmask comes in the next step): the survivors sample what they sample alone; nothing leaks."""
