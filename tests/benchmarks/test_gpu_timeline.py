@@ -1,7 +1,10 @@
 """The device timeline's summary (``nanoinfer.benchmarks.gpu_timeline.summarize``) on hand-made
 intervals: overlaps count once, gaps split into launch gaps and waits for the host."""
 
+import contextlib
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +45,44 @@ def test_no_operations_and_bad_step_counts():
     assert summarize([], steps=3) == {"steps": 3, "operations": 0}
     with pytest.raises(ValueError, match="steps must be at least 1"):
         summarize([(0.0, 1.0, "a")], steps=0)
+
+
+def _structured_benchmark():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "structured_outputs.py"
+    spec = importlib.util.spec_from_file_location("structured_outputs_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("host_phases", [False, True])
+def test_the_structured_benchmark_summarizes_its_runs_device_operations_per_step(
+    tiny_qwen3, monkeypatch, host_phases
+):
+    """``--gpu-timeline`` on the CPU, with the profiler's record replaced by one 100 us operation: the
+    run's summary divides it by the run's engine steps (counted with or without ``--profile``)."""
+    from nanoinfer import LLM, SamplingParams
+
+    benchmark = _structured_benchmark()
+
+    @contextlib.contextmanager
+    def one_operation():
+        operations = []
+        yield operations
+        operations.append((0.0, 100.0, "kernel"))
+
+    monkeypatch.setattr(benchmark, "recorded_device_operations", one_operation)
+    llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=4)
+    try:
+        params = [SamplingParams(max_tokens=6, ignore_eos=True) for _ in range(2)]
+        run, lengths = benchmark._run(llm, params, profile=host_phases, gpu_timeline=True)
+    finally:
+        llm.close()
+    assert lengths == [6, 6]
+    timeline = run["gpu_timeline"]
+    assert timeline["steps"] >= 6  # a prefill step and a decode step per later token
+    if host_phases:
+        assert timeline["steps"] == run["host_phase_us_per_step"]["steps"]
+    steps = timeline["steps"]
+    assert timeline["busy_us_per_step"] == round(100.0 / steps, 1)
+    assert timeline["top"] == [("kernel", round(100.0 / steps, 1), round(1 / steps, 2))]
