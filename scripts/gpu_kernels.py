@@ -1221,20 +1221,69 @@ def time_decode_mixed(gen, quick):
     RESULTS["timing"]["decode_mixed"] = res
 
 
+def cuda_decode_resources(config) -> dict:
+    """Registers per thread, dynamic shared memory and resident programs per SM of ``cuda_decode``'s
+    kernel as ``config`` compiles it (bf16 queries, Qwen3-0.6B's head shape, 16-slot blocks)."""
+    import ctypes
+
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    from nanoinfer.kernels import cuda_decode
+
+    cache = torch.zeros(1, 16, KV_HEADS, HEAD_DIM, device=DEVICE).to(FP8)
+    query = torch.zeros(1, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    ints = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    tiling = (config.num_stages, config.max_registers, config.stage_in_shared)
+    kernel = cuda_decode.kernel_for(query, cache, cache, query, ints, ints[0], tiling)
+    if kernel is None:
+        return {"error": "not compiled"}
+    libcuda = _get_gpu_runtime_library()
+    registers, programs = ctypes.c_int(), ctypes.c_int()
+    _check_cuda(libcuda.cuFuncGetAttribute(ctypes.byref(registers), 4, kernel.function.func))  # NUM_REGS
+    _check_cuda(
+        libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(programs), kernel.function.func, 32, ctypes.c_size_t(kernel.shared_mem)
+        )
+    )
+    return {"registers": registers.value, "shared_mem": kernel.shared_mem, "programs_per_sm": programs.value}
+
+
 def time_decode_fp8_kernels(gen, quick):
     """The FP8 decode kernels side by side: Triton's balanced one-warp tiles (``FP8_BALANCED_DECODE``)
-    against ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight, split targets of
-    32, 64 or 128 programs per SM, registers capped at 128 (16 warps per SM) or not,
-    over the bench workload's mixed lengths (4096-token tables) and uniform 64 / 256 x 1024; every
-    output checked against the reference; CUDA-graph replay, PDL on as in the engine."""
+    against ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight in registers
+    (``cuda_d*``) or 2 to 4 staged in shared memory (``cuda_s*``), split targets of 32, 64 or 128
+    programs per SM, registers capped at 128 (16 warps per SM) or not, over the bench workload's mixed
+    lengths (4096-token tables) and uniform 64 / 256 x 1024; every output checked against the reference;
+    CUDA-graph replay, PDL on as in the engine. ``resources``: each CUDA variant's registers per thread,
+    shared memory per program and programs per SM (the driver's occupancy calculator)."""
     res = {}
     variants = {"triton": K.attn.FP8_BALANCED_DECODE}
-    tilings = ((2, 32, None), (2, 64, None), (2, 128, None), (3, 64, None), (2, 64, 128))
-    for depth, target, registers in tilings:
+    tilings = (
+        (2, 32, None, False),
+        (2, 64, None, False),
+        (2, 128, None, False),
+        (3, 64, None, False),
+        (2, 64, 128, False),
+        (2, 64, None, True),
+        (3, 32, None, True),
+        (3, 64, None, True),
+        (4, 64, None, True),
+    )
+    for depth, target, registers, staged in tilings:
         config = replace(
-            K.attn.FP8_CUDA_DECODE, target_programs_per_sm=target, num_stages=depth, max_registers=registers
-        )
-        variants[f"cuda_d{depth}_t{target}" + (f"_r{registers}" if registers else "")] = config
+            K.attn.FP8_CUDA_DECODE, target_programs_per_sm=target, num_stages=depth, max_registers=registers,
+            stage_in_shared=staged,
+        )  # fmt: skip
+        name = f"cuda_{'s' if staged else 'd'}{depth}_t{target}" + (f"_r{registers}" if registers else "")
+        variants[name] = config
+    res["resources"] = {}
+    for name, config in variants.items():
+        if config.kernel == "cuda":
+            try:
+                res["resources"][name] = cuda_decode_resources(config)
+            except Exception as exc:  # noqa: BLE001
+                res["resources"][name] = {"error": repr(exc)[:300]}
+    TABLE.append(("decode fp8 kernels' resources", json.dumps(res["resources"])))
     shapes = [(f"mixed B={b}", workload_decode_lengths(b)) for b in (24, 32, 64, 128, 192, 256)]
     shapes += [("uniform 64 x 1024", [1024] * 64), ("uniform 256 x 1024", [1024] * 256)]
     if quick:

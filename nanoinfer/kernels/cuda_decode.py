@@ -20,6 +20,11 @@ the MMA's 8-wide side:
 Key order inside a 16-key tile is a permutation shared by both products (lane rows of S^T are keys 2g
 and 2g+1, the P^T operand's rows are keys 4c..4c+3), so no data is moved to match them.
 
+The tiles in flight wait in registers (the default: one tile ahead at 152 registers, 12 warps per SM)
+or, with ``DecodeConfig.stage_in_shared``, in shared memory: cp.async copies each lane's bytes of the
+next tiles into stages it reads back itself, which leaves 125 registers (16 warps per SM) and holds
+several tiles in flight per warp (ptxas figures for sm_90, bf16 queries, head_dim 128).
+
 The kernel splits as ``triton_attention``'s balanced mode does (split lengths in 16-key tiles from the
 batch's longest sequence; a sequence using one split writes its output, the others write normalised
 partials and log2-sum-exps), and up to ``MERGE_IN_KERNEL_MAX_SPLITS`` splits the last split of a
@@ -32,6 +37,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,6 +54,7 @@ TILE_KEYS = 16
 # run 77).
 MERGE_IN_KERNEL_MAX_SPLITS = 8
 _LOG2E = 1.4426950408889634
+_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9  # CUfunction_attribute, the driver API's
 # The float types the kernel reads queries in and writes outputs in (its QT / OT template arguments).
 _FLOAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -137,24 +145,86 @@ template <int CHUNKS> struct Tile {
     uint2 v[4][CHUNKS];
 };
 
-template <int HD, int BS>
-__device__ __forceinline__ void load_tile(Tile<HD / 64>& t, const unsigned char* k_head,
-                                          const unsigned char* v_head, const int* table, int tile_start,
-                                          long long kcb, int kcs, long long vcb, int vcs, int g, int c) {
+// The global addresses of one 16-key tile's runs as this lane loads them (layout: ``Tile``): ``k_run(i,
+// odd, p)`` for K's run i of key row 2g (odd = 0) or 2g + 1 (odd = 1), ``v_run(j, i, p)`` for V's run i of
+// key 4c + j.
+template <int HD, int BS, typename KRun, typename VRun>
+__device__ __forceinline__ void for_tile_runs(const unsigned char* k_head, const unsigned char* v_head,
+                                              const int* table, int tile_start, long long kcb, int kcs,
+                                              long long vcb, int vcs, int g, int c, KRun k_run, VRun v_run) {
     constexpr int CHUNKS = HD / 64;
     const long long block = table[tile_start / BS];
     const int slot0 = tile_start % BS;
     const unsigned char* k_rows = k_head + block * kcb + (long long)(slot0 + 2 * g) * kcs + 16 * c;
     #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
-        t.k_even[i] = load_16(k_rows + 64 * i);
-        t.k_odd[i] = load_16(k_rows + kcs + 64 * i);
+        k_run(i, 0, k_rows + 64 * i);
+        k_run(i, 1, k_rows + kcs + 64 * i);
     }
     const unsigned char* v_rows = v_head + block * vcb + (long long)(slot0 + 4 * c) * vcs + 8 * g;
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
         #pragma unroll
-        for (int i = 0; i < CHUNKS; ++i) t.v[j][i] = load_8(v_rows + (long long)j * vcs + 64 * i);
+        for (int i = 0; i < CHUNKS; ++i) v_run(j, i, v_rows + (long long)j * vcs + 64 * i);
+    }
+}
+
+template <int HD, int BS>
+__device__ __forceinline__ void load_tile(Tile<HD / 64>& t, const unsigned char* k_head,
+                                          const unsigned char* v_head, const int* table, int tile_start,
+                                          long long kcb, int kcs, long long vcb, int vcs, int g, int c) {
+    for_tile_runs<HD, BS>(
+        k_head, v_head, table, tile_start, kcb, kcs, vcb, vcs, g, c,
+        [&](int i, int odd, const unsigned char* p) { (odd ? t.k_odd : t.k_even)[i] = load_16(p); },
+        [&](int j, int i, const unsigned char* p) { t.v[j][i] = load_8(p); });
+}
+
+// Tiles staged in shared memory (the kernel's STAGED mode): cp.async copies each lane's runs of a tile into
+// one of DEPTH stages, so the loads in flight hold no registers and DEPTH - 1 tiles are in flight while
+// one is attended (the register tiles hold one at the occupancy their registers allow). Each lane reads
+// back only the bytes it copied itself, so cp.async.wait_group orders them without a barrier; a stage is
+// refilled only after the tile read from it has been attended, its values consumed by the MMAs. Runs
+// are laid out [run][lane]: a warp's reads of one run are consecutive, free of bank conflicts.
+template <int CHUNKS> struct TileStage {
+    uint4 k[CHUNKS][2][32];
+    uint2 v[4][CHUNKS][32];
+};
+
+__device__ __forceinline__ void copy_async_16(void* dst, const unsigned char* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_8(void* dst, const unsigned char* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;"
+                 :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING> __device__ __forceinline__ void wait_copies() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+}
+
+template <int HD, int BS>
+__device__ __forceinline__ void stage_tile(TileStage<HD / 64>& s, const unsigned char* k_head,
+                                           const unsigned char* v_head, const int* table, int tile_start,
+                                           long long kcb, int kcs, long long vcb, int vcs, int g, int c,
+                                           int lane) {
+    for_tile_runs<HD, BS>(
+        k_head, v_head, table, tile_start, kcb, kcs, vcb, vcs, g, c,
+        [&](int i, int odd, const unsigned char* p) { copy_async_16(&s.k[i][odd][lane], p); },
+        [&](int j, int i, const unsigned char* p) { copy_async_8(&s.v[j][i][lane], p); });
+}
+
+template <int CHUNKS>
+__device__ __forceinline__ void read_stage(const TileStage<CHUNKS>& s, Tile<CHUNKS>& t, int lane) {
+    #pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        t.k_even[i] = s.k[i][0][lane];
+        t.k_odd[i] = s.k[i][1][lane];
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) t.v[j][i] = s.v[j][i][lane];
     }
 }
 
@@ -340,10 +410,12 @@ __device__ __forceinline__ void merge_if_last(void* out, const float* partial_ou
 
 // Grid (batch, num_kv_heads, num_splits), one warp per block. Balanced splits: one split length for the
 // batch, its longest sequence over num_splits in whole 16-key tiles. merge_splits: the splits are merged
-// here (else _decode_merge_kernel merges them). DEPTH tiles in flight: each tile's loads are issued
-// DEPTH - 1 tiles before its arithmetic. MIN_BLOCKS: warps per SM the registers must leave room for
-// (ptxas spills what does not fit).
-template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS>
+// here (else _decode_merge_kernel merges them). DEPTH tiles in flight: in registers (STAGED = 0) each
+// tile's loads are issued DEPTH - 1 tiles before its arithmetic; staged in shared memory (STAGED = 1, the
+// launch gives DEPTH TileStages of dynamic shared memory) DEPTH - 1 tiles are in flight while one is
+// attended, and the first ones are issued before the query is read. MIN_BLOCKS: warps per SM the
+// registers must leave room for (ptxas spills what does not fit).
+template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS, int STAGED>
 __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const void* query, const unsigned char* k_cache, const unsigned char* v_cache, const int* block_tables,
     const int* seq_lens, void* out, float* partial_out, float* partial_lse, int* counters,
@@ -373,6 +445,28 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const int start = split * split_len;
     const int end = min(start + split_len, seq_len);
 
+    const unsigned char* k_head = k_cache + (long long)kv_head * stride_kch;
+    const unsigned char* v_head = v_cache + (long long)kv_head * stride_vch;
+    const int* table = block_tables + (long long)seq * stride_bt;
+    const long long kcb = stride_kcb, vcb = stride_vcb;
+    const int kcs = stride_kcs, vcs = stride_vcs;
+    extern __shared__ __align__(16) unsigned char stage_memory[];
+    TileStage<CHUNKS>* stages = reinterpret_cast<TileStage<CHUNKS>*>(stage_memory);
+    const int num_tiles = (end - start + 15) / 16;
+    // Tile p of this split into stage p % DEPTH; one commit group per call, empty past the last tile, so
+    // that the group of tile p is always the (p + 1)-th.
+    auto stage = [&](int p) {
+        if (p < num_tiles) {
+            stage_tile<HD, BS>(stages[p % DEPTH], k_head, v_head, table, start + 16 * p, kcb, kcs, vcb, vcs,
+                               g, c, lane);
+        }
+        commit_copies();
+    };
+    if constexpr (STAGED) {
+        #pragma unroll
+        for (int p = 0; p < DEPTH; ++p) stage(p);
+    }
+
     // The query rows (scaled into log2 units, K's scale folded in) as this lane's B operands: query g,
     // dims 16c + 64i + 4w + {0,1} and {2,3} for k-step 4i + w.
     const float qk_scale = (float)scale_log2 * (has_k_scale ? k_scale[0] : 1.0f);
@@ -400,27 +494,32 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     float m[2] = {neg_inf, neg_inf};
     float l[2] = {0.f, 0.f};
 
-    const unsigned char* k_head = k_cache + (long long)kv_head * stride_kch;
-    const unsigned char* v_head = v_cache + (long long)kv_head * stride_vch;
-    const int* table = block_tables + (long long)seq * stride_bt;
-    const long long kcb = stride_kcb, vcb = stride_vcb;
-    const int kcs = stride_kcs, vcs = stride_vcs;
     auto load = [&](Tile<CHUNKS>& t, int at) {
         load_tile<HD, BS>(t, k_head, v_head, table, at, kcb, kcs, vcb, vcs, g, c);
     };
-    Tile<CHUNKS> tiles[DEPTH];
-    #pragma unroll
-    for (int p = 0; p < DEPTH - 1; ++p) {
-        if (start + 16 * p < end) load(tiles[p], start + 16 * p);
-    }
-    for (int tile = start; tile < end; tile += 16 * DEPTH) {
+    if constexpr (STAGED) {
+        for (int p = 0; p < num_tiles; ++p) {
+            wait_copies<DEPTH - 1>();
+            Tile<CHUNKS> t;
+            read_stage(stages[p % DEPTH], t, lane);
+            attend_tile<HD>(t, q, acc, m, l, start + 16 * p, end, g, c);
+            stage(p + DEPTH);
+        }
+    } else {
+        Tile<CHUNKS> tiles[DEPTH];
         #pragma unroll
-        for (int p = 0; p < DEPTH; ++p) {
-            const int here = tile + 16 * p;
-            if (here >= end) break;
-            const int ahead = here + 16 * (DEPTH - 1);
-            if (ahead < end) load(tiles[(p + DEPTH - 1) % DEPTH], ahead);
-            attend_tile<HD>(tiles[p], q, acc, m, l, here, end, g, c);
+        for (int p = 0; p < DEPTH - 1; ++p) {
+            if (start + 16 * p < end) load(tiles[p], start + 16 * p);
+        }
+        for (int tile = start; tile < end; tile += 16 * DEPTH) {
+            #pragma unroll
+            for (int p = 0; p < DEPTH; ++p) {
+                const int here = tile + 16 * p;
+                if (here >= end) break;
+                const int ahead = here + 16 * (DEPTH - 1);
+                if (ahead < end) load(tiles[(p + DEPTH - 1) % DEPTH], ahead);
+                attend_tile<HD>(tiles[p], q, acc, m, l, here, end, g, c);
+            }
         }
     }
 
@@ -471,6 +570,15 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
 """
 
 
+@dataclass(frozen=True)
+class DecodeKernel:
+    """A compiled instantiation of the kernel and the dynamic shared memory each launch gives it (its
+    stages in STAGED mode, else none)."""
+
+    function: Any
+    shared_mem: int
+
+
 def kernel_for(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -478,12 +586,12 @@ def kernel_for(
     out: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    tiling: tuple = (2, None),
-):
+    tiling: tuple = (2, None, False),
+) -> DecodeKernel | None:
     """The compiled kernel for this call, or None where it does not take it: it takes an FP8 cache on
     CUDA (sm_89 and up: the e4m3 conversions) whose blocks hold whole 16-key tiles, head_dim 64 or 128,
     at most 8 query heads per KV head, 16-byte aligned rows, int32 tables and lengths. ``tiling``: (tiles
-    in flight, register cap or None)."""
+    in flight, register cap or None, whether they are staged in shared memory)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
     strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
@@ -506,26 +614,54 @@ def kernel_for(
     major, minor = torch.cuda.get_device_capability(query.device)
     if (major, minor) < (8, 9):
         return None
-    depth, max_registers = tiling
+    depth, max_registers, staged = tiling
     min_blocks = 65536 // (32 * max_registers) if max_registers else 1
     codes = (_FLOAT_CODES[query.dtype], _FLOAT_CODES[out.dtype])
-    return _kernel(head_dim, block_size, *codes, depth, min_blocks, 10 * major + minor)
+    return _kernel(head_dim, block_size, *codes, depth, min_blocks, int(staged), 10 * major + minor)
+
+
+def stage_bytes(head_dim: int) -> int:
+    """Shared memory of one ``TileStage``: a 16-key tile of FP8 K and V (``TILE_KEYS`` x head_dim each)."""
+    return 2 * TILE_KEYS * head_dim
 
 
 @functools.cache
 def _kernel(
-    head_dim: int, block_size: int, query_code: int, out_code: int, depth: int, min_blocks: int, arch: int
-):
+    head_dim: int,
+    block_size: int,
+    query_code: int,
+    out_code: int,
+    depth: int,
+    min_blocks: int,
+    staged: int,
+    arch: int,
+) -> DecodeKernel | None:
     """The compiled kernel for these template arguments, or None where NVRTC or the driver fails (the
     caller then runs the Triton kernel; the reason is logged once)."""
-    from torch.cuda._utils import _cuda_load_module, _get_gpu_rtc_library
-
-    name = f"fp8_paged_decode<{head_dim}, {block_size}, {query_code}, {out_code}, {depth}, {min_blocks}>"
+    arguments = (head_dim, block_size, query_code, out_code, depth, min_blocks, staged)
+    name = f"fp8_paged_decode<{', '.join(map(str, arguments))}>"
     try:
+        from torch.cuda._utils import (
+            _check_cuda,
+            _cuda_load_module,
+            _get_gpu_rtc_library,
+            _get_gpu_runtime_library,
+        )
+
         nvrtc = _get_gpu_rtc_library()
         cubin, lowered = _nvrtc_compile(nvrtc, name, arch)
-        return _cuda_load_module(cubin, [lowered])[lowered]
-    except (OSError, RuntimeError) as exc:
+        function = _cuda_load_module(cubin, [lowered])[lowered]
+        shared_mem = depth * stage_bytes(head_dim) if staged else 0
+        if staged:
+            # Stages take shared memory from L1: ask for the largest carve-out, so that the blocks the
+            # registers allow also fit the stages (the kernel reads nothing through L1 but the tables).
+            _check_cuda(
+                _get_gpu_runtime_library().cuFuncSetAttribute(
+                    function.func, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100
+                )
+            )
+        return DecodeKernel(function, shared_mem)
+    except (ImportError, OSError, RuntimeError) as exc:
         logger.warning("CUDA FP8 decode kernel unavailable (%s); using the Triton kernel", exc)
         return None
 
@@ -566,7 +702,7 @@ def _nvrtc_compile(nvrtc, name: str, arch: int) -> tuple[bytes, str]:
 
 
 def launch(
-    kernel,
+    kernel: DecodeKernel,
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -615,5 +751,7 @@ def launch(
         int(v_scale is not None),
         int(merges),
     ]
-    kernel(grid=(batch, num_kv_heads, num_splits), block=(32, 1, 1), args=args)
+    kernel.function(
+        grid=(batch, num_kv_heads, num_splits), block=(32, 1, 1), args=args, shared_mem=kernel.shared_mem
+    )
     return merges

@@ -56,7 +56,9 @@ class DecodeConfig:
     multiprocessor (CUDA only; None: the compiler's choice). ``kernel="cuda"``: balanced mode's splits
     run ``cuda_decode``'s kernel, which merges up to ``cuda_decode.MERGE_IN_KERNEL_MAX_SPLITS`` splits
     itself (FP8 caches with 16-key tiles, ``num_stages`` of them in flight; a call it does not support
-    runs the Triton kernel with the same splits).
+    runs the Triton kernel with the same splits). ``stage_in_shared`` (that kernel only): the tiles in
+    flight wait in shared memory (cp.async) instead of registers, so more of them fit per program at the
+    same occupancy.
     """
 
     mode: str = "fused"
@@ -69,6 +71,7 @@ class DecodeConfig:
     min_splits: int = 1
     max_registers: int | None = None
     kernel: str = "triton"
+    stage_in_shared: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -79,6 +82,8 @@ class DecodeConfig:
             raise ValueError(
                 "DecodeConfig.kernel='cuda' needs mode='balanced', block_n=16 and num_stages <= 4"
             )
+        if self.stage_in_shared and self.kernel != "cuda":
+            raise ValueError("DecodeConfig.stage_in_shared needs kernel='cuda'")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
         if not 1 <= self.min_splits <= self.max_splits:
@@ -832,8 +837,9 @@ def _launch_decode(
     cuda_kernel = None
     if config.kernel == "cuda":
         cuda_kernel = _cuda_decode().kernel_for(
-            query, k_cache, v_cache, out, block_tables, seq_lens, (config.num_stages, config.max_registers)
-        )
+            query, k_cache, v_cache, out, block_tables, seq_lens,
+            (config.num_stages, config.max_registers, config.stage_in_shared),
+        )  # fmt: skip
     merged = False
     if cuda_kernel is not None:
         # Launched without PDL: it starts once the previous kernel has finished.

@@ -1,6 +1,8 @@
 """The CUDA FP8 decode kernel (``cuda_decode``) against the pure-PyTorch reference (GPU), and the rules
 that route a call to it (CPU)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -47,12 +49,26 @@ CASES = [
 ]
 
 
+# The engine's tiles (in registers) and the tiles staged in shared memory, 2 to 4 in flight.
+TILINGS = {
+    "registers": {},
+    "shared_2": {"stage_in_shared": True, "num_stages": 2},
+    "shared_3": {"stage_in_shared": True, "num_stages": 3},
+    "shared_4": {"stage_in_shared": True, "num_stages": 4},
+}
+
+
+def _cuda_config(kernels, tiling):
+    return replace(kernels.FP8_CUDA_DECODE, **TILINGS[tiling])
+
+
 @gpu_only
+@pytest.mark.parametrize("tiling", list(TILINGS))
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("splits", [1, 2, 16])
 @pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", CASES)
 def test_cuda_fp8_decode_matches_reference(
-    seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits, layout
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits, layout, tiling
 ):
     kernels = _kernels()
     gen = generator(len(seq_lens) * 100 + head_dim + splits)
@@ -68,7 +84,7 @@ def test_cuda_fp8_decode_matches_reference(
     group = num_heads // num_kv_heads
     kernels._launch_decode(
         query, k_cache, v_cache, tables, lens, head_dim**-0.5, out, None, splits, group,
-        kernels.FP8_CUDA_DECODE, *scales,
+        _cuda_config(kernels, tiling), *scales,
     )  # fmt: skip
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, head_dim**-0.5, *scales)
@@ -95,7 +111,8 @@ def test_cuda_fp8_decode_takes_float16_and_float32_queries(dtype):
 
 
 @gpu_only
-def test_cuda_fp8_decode_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("tiling", ["registers", "shared_3"])
+def test_cuda_fp8_decode_replays_in_a_cuda_graph(tiling):
     kernels = _kernels()
     gen = generator(9)
     seq_lens = [200, 1, 64, 900] * 40
@@ -112,7 +129,7 @@ def test_cuda_fp8_decode_replays_in_a_cuda_graph():
     def call():
         kernels.paged_decode_attention(
             query, k_cache, v_cache, tables, lens, 0.088, out=out, workspace=workspace, k_scale=scales[0],
-            v_scale=scales[1], config=kernels.FP8_CUDA_DECODE, pdl=True,
+            v_scale=scales[1], config=_cuda_config(kernels, tiling), pdl=True,
         )  # fmt: skip
 
     call()
@@ -139,6 +156,8 @@ def test_cuda_kernel_config_needs_balanced_sixteen_key_tiles():
         kernels.DecodeConfig(kernel="cuda", mode="merge_kernel", block_n=16)
     with pytest.raises(ValueError, match="block_n=16"):
         kernels.DecodeConfig(kernel="cuda", mode="balanced", block_n=32)
+    with pytest.raises(ValueError, match="stage_in_shared"):
+        kernels.DecodeConfig(stage_in_shared=True)
     assert kernels.FP8_CUDA_DECODE.kernel == "cuda"
 
 
@@ -154,7 +173,9 @@ def test_cuda_kernel_takes_only_calls_it_supports():
     if DEVICE == "cuda":
         on = {"device": "cuda"}
         fp8, query, tables, lens = (t.to(**on) for t in (fp8, query, tables, lens))
-        assert cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens) is not None
+        assert cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens).shared_mem == 0
+        staged = cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens, tiling=(3, None, True))
+        assert staged.shared_mem == 3 * 2 * 16 * 128  # three 16-key tiles of K and V, one byte each
         bf16 = fp8.to(torch.bfloat16)
         assert cuda_decode.kernel_for(query, bf16, bf16, query, tables, lens) is None
         assert cuda_decode.kernel_for(query, fp8, fp8, query, tables.long(), lens) is None
