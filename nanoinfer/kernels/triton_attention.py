@@ -27,6 +27,10 @@ _CACHE_DTYPES = (*_QUERY_DTYPES, FP8_DTYPE)
 # With at least this many (sequence, kv head) programs per SM, splitting only adds merge work (H200,
 # bf16, head_dim 128: batch 64 x 4096 context, 4.2 TB/s unsplit against 4.0 with 4 splits).
 _DECODE_NO_SPLIT_PROGRAMS_PER_SM = 3
+# Against an FP8 cache, grids of at least this many (sequence, kv head) programs per SM run
+# FP8_CUDA_DECODE (the threshold its Triton predecessor, FP8_BALANCED_DECODE, measured at); smaller ones
+# the merge-kernel tiles. scripts/gpu_kernels.py's decode_fp8_kernels times both below it.
+FP8_CUDA_MIN_PROGRAMS_PER_SM = 1
 # Decode modes (the kernel's MODE): one split; splits merged by a second kernel; splits merged by the
 # last split program of each (sequence, kv head) to finish, found with an atomic counter; splits of one
 # length for the whole batch (from its longest sequence), merged by a second kernel.
@@ -661,11 +665,12 @@ def default_decode_config(
     """The configuration ``paged_decode_attention`` uses when it is given none: a grid that needs splits
     (fewer than 3 programs per SM) merges them in a second kernel, whatever the cache's dtype (H200,
     Qwen3-0.6B shape, 4096-wide tables, PDL: 7.9 against 9.8 us per layer for the fused merge at batch
-    1 x 600, 11.2 against 15.0 at batch 8); against an FP8 cache, a grid of a program per SM or more:
-    ``FP8_CUDA_DECODE``. bf16's 64-key four-warp tiles, unsplit from 3 programs per SM, run at
-    3.8-4.0 TB/s on the bench workload's mixed lengths, which no balanced variant beat."""
+    1 x 600, 11.2 against 15.0 at batch 8); against an FP8 cache, a grid of
+    ``FP8_CUDA_MIN_PROGRAMS_PER_SM`` programs per SM or more: ``FP8_CUDA_DECODE``. bf16's 64-key
+    four-warp tiles, unsplit from 3 programs per SM, run at 3.8-4.0 TB/s on the bench workload's mixed
+    lengths, which no balanced variant beat."""
     programs = batch * num_kv_heads
-    if cache_dtype == FP8_DTYPE and programs >= num_sms:
+    if cache_dtype == FP8_DTYPE and programs >= FP8_CUDA_MIN_PROGRAMS_PER_SM * num_sms:
         return FP8_CUDA_DECODE
     return MERGE_KERNEL_DECODE
 
