@@ -988,7 +988,8 @@ def rotating(fn, *operands_per_copy) -> Callable:
 def time_gemm(gen, quick):
     """The projections at the workload's mid and large decode batches (32-256 rows), each captured in a
     graph of back-to-back calls over rotating weight copies (read from DRAM, as the engine's layers
-    read them): cuBLAS, and the strided-batched split-K product of float32 partials at 2 and 4 splits.
+    read them): cuBLAS (the engine's [N, K] weights, and the same stored [K, N]), and the strided-batched
+    split-K product of float32 partials at 2 and 4 splits.
     For the projections that end a residual branch (o, down) also the engine's two ways through the
     branch's end, under PDL: the projection (after silu_and_mul for down) then add_rms_norm, against
     ``residual_branch_linear`` (split-K where ``residual_branch_splits`` says) then the norm that sums
@@ -1004,11 +1005,14 @@ def time_gemm(gen, quick):
             continue
         copies = max(2, ROTATED_WEIGHT_BYTES // (n * k * 2))
         weights = [(randn(gen, n, k, scale=0.05),) for _ in range(copies)]
+        # The same weights stored [K, N]: cuBLAS's other operand layout (NN), whose kernels differ.
+        transposed = [(w.t().contiguous(),) for (w,) in weights]
         for m in GEMM_ROWS if not quick else (64, 256):
             x = randn(gen, m, k)
             entry = {
                 "floor_us": n * k * 2 / bandwidth / 1e6,
                 "cublas_us": graph_bench(rotating(partial(torch.nn.functional.linear, x), *weights)) * 1e3,
+                "cublas_kn_us": graph_bench(rotating(partial(torch.mm, x), *transposed)) * 1e3,
             }
             for splits in (2, 4):
                 bmm = partial(layer_kernels.split_k_linear, x, splits=splits)
@@ -1039,7 +1043,8 @@ def time_gemm(gen, quick):
                 entry["branch_end_after_us"] = graph_bench(rotating(after, *weights)) * 1e3
             res[f"{name} M={m}"] = entry
             text = (
-                f"cuBLAS {entry['cublas_us']:.1f} us, split-K 2 / 4 {entry['split2_us']:.1f} / "
+                f"cuBLAS {entry['cublas_us']:.1f} us ([K, N] weights {entry['cublas_kn_us']:.1f}), "
+                f"split-K 2 / 4 {entry['split2_us']:.1f} / "
                 f"{entry['split4_us']:.1f} us, weight read {entry['floor_us']:.1f} us"
             )
             if "branch_end_after_us" in entry:
@@ -1049,7 +1054,7 @@ def time_gemm(gen, quick):
                     f"{'' if entry['branch_end_ok'] else ', MISMATCH'})"
                 )
             TABLE.append((f"gemm {name} {k}->{n} M={m} (graph, DRAM weights)", text))
-        del weights
+        del weights, transposed
     RESULTS["timing"]["gemm"] = res
 
 
