@@ -6,12 +6,14 @@ profiled launch is the first timed one (a call whose grid needs splits also laun
 which that regex leaves out). ``scripts/h200_run.sh decode_profile`` runs it under ncu.
 
     python3 scripts/gpu_decode_profile.py [--kv fp8] [--batch 256] [--context 1024] [--warmup 5] [--calls 20]
+        [--staged DEPTH]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +31,15 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument(
+        "--staged",
+        type=int,
+        metavar="DEPTH",
+        help="FP8: cuda_decode's kernel with DEPTH tiles staged in shared memory",
+    )
     args = parser.parse_args()
+    if args.staged is not None and args.kv != "fp8":
+        parser.error("--staged needs --kv fp8")
     gpu_kernels.K = K = gpu_kernels._modules()
     gen = torch.Generator(device="cuda").manual_seed(0)
     scales = gpu_kernels.fp8_scales() if args.kv == "fp8" else None
@@ -39,6 +49,8 @@ def main() -> int:
     )
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     config = K.attn.default_decode_config(args.batch, NUM_KV_HEADS, paged.k_cache.dtype, num_sms)
+    if args.staged is not None:
+        config = replace(K.attn.FP8_CUDA_DECODE, stage_in_shared=True, num_stages=args.staged)
     call_args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
     for _ in range(args.warmup):
         K.attn.paged_decode_attention(*call_args, config=config, **paged.scales)

@@ -183,10 +183,11 @@ decode_profile)
     # section set of the first timed launch as text, its report, and its per-instruction SASS table.
     # ncu reads the counters on Firecracker machines (KINDS.md); the clocks are left as they are.
     command -v ncu > /dev/null || PATH=$PATH:$(dirname "$(ls -d /opt/nvidia/nsight-compute/*/ncu | tail -1)")
+    # DECODE_PROFILE_ARGS: more arguments of gpu_decode_profile.py (--staged 3: the staged FP8 tiles).
     for kv in ${DECODE_PROFILE_KV:-fp8 bf16}; do
-        timeout 60 python3 scripts/gpu_decode_profile.py --kv "$kv"
+        timeout 60 python3 scripts/gpu_decode_profile.py --kv "$kv" ${DECODE_PROFILE_ARGS:-}
         timeout 240 ncu --clock-control none --set full --import-source yes -k regex:'_decode_kernel|fp8_paged_decode' --launch-skip 5 --launch-count 1 \
-            -o "$OUT/decode_$kv" python3 scripts/gpu_decode_profile.py --kv "$kv" --calls 1 \
+            -o "$OUT/decode_$kv" python3 scripts/gpu_decode_profile.py --kv "$kv" --calls 1 ${DECODE_PROFILE_ARGS:-} \
             > "$OUT/ncu_decode_$kv.log" 2>&1
         tail -3 "$OUT/ncu_decode_$kv.log"
         ncu --import "$OUT/decode_$kv.ncu-rep" --page details > "$OUT/ncu_decode_$kv.txt" 2>&1
