@@ -654,7 +654,8 @@ def _kernel(
         shared_mem = depth * stage_bytes(head_dim) if staged else 0
         if staged:
             # Stages take shared memory from L1: ask for the largest carve-out, so that the blocks the
-            # registers allow also fit the stages (the kernel reads nothing through L1 but the tables).
+            # registers allow also fit the stages (through L1 go only the lengths, the tables and V's
+            # 8-byte copies, which stream and are not read again).
             _check_cuda(
                 _get_gpu_runtime_library().cuFuncSetAttribute(
                     function.func, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100
