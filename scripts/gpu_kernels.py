@@ -1238,7 +1238,7 @@ def cuda_decode_resources(config) -> dict:
     cache = torch.zeros(1, 16, KV_HEADS, HEAD_DIM, device=DEVICE).to(FP8)
     query = torch.zeros(1, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     ints = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
-    tiling = (config.num_stages, config.max_registers, config.stage_in_shared)
+    tiling = (config.num_stages, config.max_registers, config.stage_in_shared, config.kv_heads_first)
     kernel = cuda_decode.kernel_for(query, cache, cache, query, ints, ints[0], tiling)
     if kernel is None:
         return {"error": "not compiled"}
@@ -1258,7 +1258,8 @@ def time_decode_fp8_kernels(gen, quick):
     and the engine's default (``merge_kernel``'s Triton tiles below a program per SM) against
     ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight in registers
     (``cuda_d*``) or 2 to 4 staged in shared memory (``cuda_s*``), split targets of 32, 64 or 128
-    programs per SM, registers capped at 128 (16 warps per SM) or not, over the bench workload's mixed
+    programs per SM, registers capped at 128 (16 warps per SM) or not, the grid's KV heads first
+    (``*_h``) or its sequences, over the bench workload's mixed
     lengths from 1 to 256 rows (4096-token tables) and uniform 16 x 1536, 64 / 256 x 1024 (the CUDA kernel
     has not run in the engine below 17 rows: the tail steps); every output checked against the reference;
     CUDA-graph replay, PDL on as in the engine. ``resources``: each CUDA variant's registers per thread,
@@ -1269,24 +1270,26 @@ def time_decode_fp8_kernels(gen, quick):
         "merge_kernel": K.attn.MERGE_KERNEL_DECODE,
         "triton": K.attn.FP8_BALANCED_DECODE,
     }
-    tilings = (
-        (2, 32, None, False),
-        (2, 64, None, False),
-        (2, 128, None, False),
-        (3, 64, None, False),
-        (2, 64, 128, False),
-        (2, 64, None, True),
-        (3, 32, None, True),
-        (3, 64, None, True),
-        (4, 64, None, True),
+    tilings = (  # (tiles in flight, programs per SM, register cap, staged, KV heads first)
+        (2, 32, None, False, False),
+        (2, 64, None, False, False),
+        (2, 128, None, False, False),
+        (3, 64, None, False, False),
+        (2, 64, 128, False, False),
+        (2, 64, None, False, True),
+        (2, 64, None, True, False),
+        (3, 32, None, True, False),
+        (3, 64, None, True, False),
+        (4, 64, None, True, False),
+        (3, 64, None, True, True),
     )
-    for depth, target, registers, staged in tilings:
+    for depth, target, registers, staged, heads_first in tilings:
         config = replace(
             K.attn.FP8_CUDA_DECODE, target_programs_per_sm=target, num_stages=depth, max_registers=registers,
-            stage_in_shared=staged,
+            stage_in_shared=staged, kv_heads_first=heads_first,
         )  # fmt: skip
         name = f"cuda_{'s' if staged else 'd'}{depth}_t{target}" + (f"_r{registers}" if registers else "")
-        variants[name] = config
+        variants[name + ("_h" if heads_first else "")] = config
     res["resources"] = {}
     for name, config in variants.items():
         if config is not None and config.kernel == "cuda":

@@ -7,8 +7,9 @@
 #   scripts/h200_run.sh fp8     the throughput benchmark with the FP8 KV cache
 #   scripts/h200_run.sh fp8_kernels  the FP8 decode kernels side by side, then the FP8 workload with each
 #                               of FP8_VARIANTS (default "cuda triton r128 bf16": the CUDA kernel, Triton's
-#                               tiles, the CUDA kernel at 128 registers, bf16 KV; sD_tT: the CUDA kernel
-#                               with D tiles staged in shared memory and a target of T programs per SM;
+#                               tiles, the CUDA kernel at 128 registers, bf16 KV; sD_tT / dD_tT: the CUDA
+#                               kernel with D tiles staged in shared memory / in registers and a target
+#                               of T programs per SM, with _h: the grid's KV heads first;
 #                               cuda_all: the CUDA kernel at every batch size, the tail's small ones too)
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
@@ -119,10 +120,11 @@ elif variant == "r128":
     attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, max_registers=128)
 elif variant == "cuda_all":
     attention.FP8_CUDA_MIN_PROGRAMS_PER_SM = 0
-elif variant.startswith("s"):
-    depth, target = (int(part) for part in variant[1:].split("_t"))
+elif variant[0] in "sd":
+    depth, target = (int(part) for part in variant[1:].removesuffix("_h").split("_t"))
     attention.FP8_CUDA_DECODE = replace(
-        attention.FP8_CUDA_DECODE, stage_in_shared=True, num_stages=depth, target_programs_per_sm=target
+        attention.FP8_CUDA_DECODE, stage_in_shared=variant[0] == "s", num_stages=depth,
+        target_programs_per_sm=target, kv_heads_first=variant.endswith("_h"),
     )
 kv = "auto" if variant == "bf16" else "fp8"
 sys.argv = ["throughput", "--model", model, "--kv-cache-dtype", kv, "--result-file", result]

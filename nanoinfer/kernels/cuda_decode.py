@@ -348,14 +348,15 @@ __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_re
 
 template <int HD, int OT>
 __device__ __forceinline__ void merge_if_last(void* out, const float* partial_out, const float* partial_lse,
-                                              int* counters, int seq, int kv_head, int group, int num_heads,
-                                              int num_splits, int used_splits, int stride_ob, int stride_oh,
-                                              int lane) {
+                                              int* counters, int seq, int kv_head, int num_kv_heads,
+                                              int group, int num_splits, int used_splits, int stride_ob,
+                                              int stride_oh, int lane) {
+    const int num_heads = num_kv_heads * group;
     constexpr int DIMS = HD / 32;  // per lane: dims DIMS * lane ... DIMS * lane + DIMS - 1
     // Release: this warp's partials are visible to whichever split merges before it counts itself.
     fence_acq_rel_gpu();
     __syncwarp();
-    int* counter = counters + (long long)seq * gridDim.y + kv_head;
+    int* counter = counters + (long long)seq * num_kv_heads + kv_head;
     int done = 0;
     if (lane == 0) done = atomicAdd(counter, 1);
     done = __shfl_sync(0xffffffffu, done, 0);
@@ -408,14 +409,16 @@ __device__ __forceinline__ void merge_if_last(void* out, const float* partial_ou
     if (lane == 0) *counter = 0;
 }
 
-// Grid (batch, num_kv_heads, num_splits), one warp per block. Balanced splits: one split length for the
+// Grid (batch, num_kv_heads, num_splits), or (num_kv_heads, batch, num_splits) with HEADS_FIRST (the
+// programs launched together then read the KV heads of one block, a contiguous run of a head-major
+// cache), one warp per block. Balanced splits: one split length for the
 // batch, its longest sequence over num_splits in whole 16-key tiles. merge_splits: the splits are merged
 // here (else _decode_merge_kernel merges them). DEPTH tiles in flight: in registers (STAGED = 0) each
 // tile's loads are issued DEPTH - 1 tiles before its arithmetic; staged in shared memory (STAGED = 1, the
 // launch gives DEPTH TileStages of dynamic shared memory) DEPTH - 1 tiles are in flight while one is
 // attended, and the first ones are issued before the query is read. MIN_BLOCKS: warps per SM the
 // registers must leave room for (ptxas spills what does not fit).
-template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS, int STAGED>
+template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS, int STAGED, int HEADS_FIRST>
 __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const void* query, const unsigned char* k_cache, const unsigned char* v_cache, const int* block_tables,
     const int* seq_lens, void* out, float* partial_out, float* partial_lse, int* counters,
@@ -424,8 +427,9 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     int stride_vcs, int stride_vch, int stride_bt, int stride_ob, int stride_oh, int has_k_scale,
     int has_v_scale, int merge_splits) {
     constexpr int CHUNKS = HD / 64;
-    const int seq = blockIdx.x;
-    const int kv_head = blockIdx.y;
+    const int seq = HEADS_FIRST ? blockIdx.y : blockIdx.x;
+    const int kv_head = HEADS_FIRST ? blockIdx.x : blockIdx.y;
+    const int num_kv_heads = HEADS_FIRST ? gridDim.x : gridDim.y;
     const int split = blockIdx.z;
     const int lane = threadIdx.x;
     const int g = lane >> 2;
@@ -529,7 +533,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
         l[1] += __shfl_xor_sync(0xffffffffu, l[1], mask);
     }
     const float v_mult = has_v_scale ? v_scale[0] : 1.0f;
-    const int num_heads = gridDim.y * group;
+    const int num_heads = num_kv_heads * group;
     #pragma unroll
     for (int parity = 0; parity < 2; ++parity) {
         const int query_row = 2 * c + parity;
@@ -563,7 +567,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
         }
     }
     if (used_splits > 1 && merge_splits) {
-        merge_if_last<HD, OT>(out, partial_out, partial_lse, counters, seq, kv_head, group, num_heads,
+        merge_if_last<HD, OT>(out, partial_out, partial_lse, counters, seq, kv_head, num_kv_heads, group,
                               num_splits, used_splits, stride_ob, stride_oh, lane);
     }
 }
@@ -577,6 +581,7 @@ class DecodeKernel:
 
     function: Any
     shared_mem: int
+    heads_first: bool
 
 
 def kernel_for(
@@ -586,12 +591,13 @@ def kernel_for(
     out: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    tiling: tuple = (2, None, False),
+    tiling: tuple = (2, None, False, False),
 ) -> DecodeKernel | None:
     """The compiled kernel for this call, or None where it does not take it: it takes an FP8 cache on
     CUDA (sm_89 and up: the e4m3 conversions) whose blocks hold whole 16-key tiles, head_dim 64 or 128,
     at most 8 query heads per KV head, 16-byte aligned rows, int32 tables and lengths. ``tiling``: (tiles
-    in flight, register cap or None, whether they are staged in shared memory)."""
+    in flight, register cap or None, whether they are staged in shared memory, whether the grid's first
+    axis is the KV head)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
     strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
@@ -614,10 +620,11 @@ def kernel_for(
     major, minor = torch.cuda.get_device_capability(query.device)
     if (major, minor) < (8, 9):
         return None
-    depth, max_registers, staged = tiling
+    depth, max_registers, staged, heads_first = tiling
     min_blocks = 65536 // (32 * max_registers) if max_registers else 1
     codes = (_FLOAT_CODES[query.dtype], _FLOAT_CODES[out.dtype])
-    return _kernel(head_dim, block_size, *codes, depth, min_blocks, int(staged), 10 * major + minor)
+    variant = (depth, min_blocks, int(staged), int(heads_first))
+    return _kernel(head_dim, block_size, *codes, *variant, 10 * major + minor)
 
 
 def stage_bytes(head_dim: int) -> int:
@@ -634,11 +641,12 @@ def _kernel(
     depth: int,
     min_blocks: int,
     staged: int,
+    heads_first: int,
     arch: int,
 ) -> DecodeKernel | None:
     """The compiled kernel for these template arguments, or None where NVRTC or the driver fails (the
     caller then runs the Triton kernel; the reason is logged once)."""
-    arguments = (head_dim, block_size, query_code, out_code, depth, min_blocks, staged)
+    arguments = (head_dim, block_size, query_code, out_code, depth, min_blocks, staged, heads_first)
     name = f"fp8_paged_decode<{', '.join(map(str, arguments))}>"
     try:
         from torch.cuda._utils import (
@@ -661,7 +669,7 @@ def _kernel(
                     function.func, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100
                 )
             )
-        return DecodeKernel(function, shared_mem)
+        return DecodeKernel(function, shared_mem, bool(heads_first))
     except (ImportError, OSError, RuntimeError) as exc:
         logger.warning("CUDA FP8 decode kernel unavailable (%s); using the Triton kernel", exc)
         return None
@@ -752,7 +760,6 @@ def launch(
         int(v_scale is not None),
         int(merges),
     ]
-    kernel.function(
-        grid=(batch, num_kv_heads, num_splits), block=(32, 1, 1), args=args, shared_mem=kernel.shared_mem
-    )
+    grid = (num_kv_heads, batch, num_splits) if kernel.heads_first else (batch, num_kv_heads, num_splits)
+    kernel.function(grid=grid, block=(32, 1, 1), args=args, shared_mem=kernel.shared_mem)
     return merges

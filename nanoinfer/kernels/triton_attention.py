@@ -62,7 +62,8 @@ class DecodeConfig:
     itself (FP8 caches with 16-key tiles, ``num_stages`` of them in flight; a call it does not support
     runs the Triton kernel with the same splits). ``stage_in_shared`` (that kernel only): the tiles in
     flight wait in shared memory (cp.async) instead of registers, so more of them fit per program at the
-    same occupancy.
+    same occupancy. ``kv_heads_first`` (that kernel only): the grid's fastest axis is the KV head, so
+    that the programs launched together read one block's heads, a contiguous run of a head-major cache.
     """
 
     mode: str = "fused"
@@ -76,6 +77,7 @@ class DecodeConfig:
     max_registers: int | None = None
     kernel: str = "triton"
     stage_in_shared: bool = False
+    kv_heads_first: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -86,8 +88,9 @@ class DecodeConfig:
             raise ValueError(
                 "DecodeConfig.kernel='cuda' needs mode='balanced', block_n=16 and num_stages <= 4"
             )
-        if self.stage_in_shared and self.kernel != "cuda":
-            raise ValueError("DecodeConfig.stage_in_shared needs kernel='cuda'")
+        for name in ("stage_in_shared", "kv_heads_first"):
+            if getattr(self, name) and self.kernel != "cuda":
+                raise ValueError(f"DecodeConfig.{name} needs kernel='cuda'")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
         if not 1 <= self.min_splits <= self.max_splits:
@@ -843,7 +846,7 @@ def _launch_decode(
     if config.kernel == "cuda":
         cuda_kernel = _cuda_decode().kernel_for(
             query, k_cache, v_cache, out, block_tables, seq_lens,
-            (config.num_stages, config.max_registers, config.stage_in_shared),
+            (config.num_stages, config.max_registers, config.stage_in_shared, config.kv_heads_first),
         )  # fmt: skip
     merged = False
     if cuda_kernel is not None:

@@ -49,12 +49,15 @@ CASES = [
 ]
 
 
-# The engine's tiles (in registers) and the tiles staged in shared memory, 2 to 4 in flight.
+# The engine's tiles (in registers) and the tiles staged in shared memory, 2 to 4 in flight; the grid's
+# sequences first (the engine's) or its KV heads.
 TILINGS = {
     "registers": {},
     "shared_2": {"stage_in_shared": True, "num_stages": 2},
     "shared_3": {"stage_in_shared": True, "num_stages": 3},
     "shared_4": {"stage_in_shared": True, "num_stages": 4},
+    "registers_heads_first": {"kv_heads_first": True},
+    "shared_3_heads_first": {"stage_in_shared": True, "num_stages": 3, "kv_heads_first": True},
 }
 
 
@@ -111,7 +114,7 @@ def test_cuda_fp8_decode_takes_float16_and_float32_queries(dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("tiling", ["registers", "shared_3"])
+@pytest.mark.parametrize("tiling", ["registers", "shared_3", "shared_3_heads_first"])
 def test_cuda_fp8_decode_replays_in_a_cuda_graph(tiling):
     kernels = _kernels()
     gen = generator(9)
@@ -158,6 +161,8 @@ def test_cuda_kernel_config_needs_balanced_sixteen_key_tiles():
         kernels.DecodeConfig(kernel="cuda", mode="balanced", block_n=32)
     with pytest.raises(ValueError, match="stage_in_shared"):
         kernels.DecodeConfig(stage_in_shared=True)
+    with pytest.raises(ValueError, match="kv_heads_first"):
+        kernels.DecodeConfig(kv_heads_first=True)
     assert kernels.FP8_CUDA_DECODE.kernel == "cuda"
 
 
@@ -174,7 +179,7 @@ def test_cuda_kernel_takes_only_calls_it_supports():
         on = {"device": "cuda"}
         fp8, query, tables, lens = (t.to(**on) for t in (fp8, query, tables, lens))
         assert cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens).shared_mem == 0
-        staged = cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens, tiling=(3, None, True))
+        staged = cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens, tiling=(3, None, True, False))
         assert staged.shared_mem == 3 * 2 * 16 * 128  # three 16-key tiles of K and V, one byte each
         bf16 = fp8.to(torch.bfloat16)
         assert cuda_decode.kernel_for(query, bf16, bf16, query, tables, lens) is None
