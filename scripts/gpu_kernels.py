@@ -1238,8 +1238,7 @@ def cuda_decode_resources(config) -> dict:
     cache = torch.zeros(1, 16, KV_HEADS, HEAD_DIM, device=DEVICE).to(FP8)
     query = torch.zeros(1, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     ints = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
-    tiling = (config.num_stages, config.max_registers, config.stage_in_shared, config.kv_heads_first)
-    kernel = cuda_decode.kernel_for(query, cache, cache, query, ints, ints[0], tiling)
+    kernel = cuda_decode.kernel_for(query, cache, cache, query, ints, ints[0], config.cuda_tiling)
     if kernel is None:
         return {"error": "not compiled"}
     libcuda = _get_gpu_runtime_library()

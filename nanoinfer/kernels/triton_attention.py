@@ -105,6 +105,11 @@ class DecodeConfig:
                 f"DecodeConfig.max_registers must be None or in [24, 255], got {self.max_registers}"
             )
 
+    @property
+    def cuda_tiling(self) -> tuple[int, int | None, bool, bool]:
+        """``cuda_decode.kernel_for``'s ``tiling`` for this configuration."""
+        return (self.num_stages, self.max_registers, self.stage_in_shared, self.kv_heads_first)
+
 
 # The default wherever the grid needs splits (``default_decode_config``); its split count is rounded down
 # to a power of two (H200: batch 32 x 4096, 2 splits 3.8 TB/s against 3.4-3.5 with 3, 5 or 20; batch 8
@@ -845,9 +850,8 @@ def _launch_decode(
     cuda_kernel = None
     if config.kernel == "cuda":
         cuda_kernel = _cuda_decode().kernel_for(
-            query, k_cache, v_cache, out, block_tables, seq_lens,
-            (config.num_stages, config.max_registers, config.stage_in_shared, config.kv_heads_first),
-        )  # fmt: skip
+            query, k_cache, v_cache, out, block_tables, seq_lens, config.cuda_tiling
+        )
     merged = False
     if cuda_kernel is not None:
         # Launched without PDL: it starts once the previous kernel has finished.

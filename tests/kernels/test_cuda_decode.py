@@ -164,6 +164,10 @@ def test_cuda_kernel_config_needs_balanced_sixteen_key_tiles():
     with pytest.raises(ValueError, match="kv_heads_first"):
         kernels.DecodeConfig(kv_heads_first=True)
     assert kernels.FP8_CUDA_DECODE.kernel == "cuda"
+    staged = kernels.DecodeConfig(
+        kernel="cuda", mode="balanced", block_n=16, num_stages=3, stage_in_shared=True, kv_heads_first=True
+    )
+    assert staged.cuda_tiling == (3, None, True, True)
 
 
 def test_cuda_kernel_takes_only_calls_it_supports():
