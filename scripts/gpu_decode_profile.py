@@ -47,8 +47,7 @@ def main() -> int:
     query = torch.randn(
         args.batch, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16
     )
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    config = K.attn.default_decode_config(args.batch, NUM_KV_HEADS, paged.k_cache.dtype, num_sms)
+    config = K.attn.default_decode_config(args.batch, paged.k_cache.dtype)
     if args.staged is not None:
         config = replace(K.attn.FP8_CUDA_DECODE, stage_in_shared=True, num_stages=args.staged)
     call_args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)

@@ -1254,13 +1254,13 @@ def cuda_decode_resources(config) -> dict:
 
 def time_decode_fp8_kernels(gen, quick):
     """The FP8 decode kernels side by side: Triton's balanced one-warp tiles (``FP8_BALANCED_DECODE``)
-    and the engine's default (``merge_kernel``'s Triton tiles below a program per SM) against
+    and the engine's default (``merge_kernel``'s Triton tiles at one row) against
     ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight in registers
     (``cuda_d*``) or 2 to 4 staged in shared memory (``cuda_s*``), split targets of 32, 64 or 128
     programs per SM, registers capped at 128 (16 warps per SM) or not, the grid's KV heads first
     (``*_h``) or its sequences, over the bench workload's mixed
-    lengths from 1 to 256 rows (4096-token tables) and uniform 16 x 1536, 64 / 256 x 1024 (the CUDA kernel
-    has not run in the engine below 17 rows: the tail steps); every output checked against the reference;
+    lengths from 1 to 256 rows (4096-token tables) and uniform 16 x 1536, 64 / 256 x 1024; every output
+    checked against the reference;
     CUDA-graph replay, PDL on as in the engine. ``resources``: each CUDA variant's registers per thread,
     shared memory per program and programs per SM (the driver's occupancy calculator)."""
     res = {}

@@ -27,10 +27,11 @@ _CACHE_DTYPES = (*_QUERY_DTYPES, FP8_DTYPE)
 # With at least this many (sequence, kv head) programs per SM, splitting only adds merge work (H200,
 # bf16, head_dim 128: batch 64 x 4096 context, 4.2 TB/s unsplit against 4.0 with 4 splits).
 _DECODE_NO_SPLIT_PROGRAMS_PER_SM = 3
-# Against an FP8 cache, grids of at least this many (sequence, kv head) programs per SM run
-# FP8_CUDA_DECODE (the threshold its Triton predecessor, FP8_BALANCED_DECODE, measured at); smaller ones
-# the merge-kernel tiles. scripts/gpu_kernels.py's decode_fp8_kernels times both below it.
-FP8_CUDA_MIN_PROGRAMS_PER_SM = 1
+# Against an FP8 cache, batches of at least this many rows run FP8_CUDA_DECODE; a single row the
+# merge-kernel tiles (H100, run 93, us per layer over the bench workload's mixed lengths: 9.9 against 7.2
+# at batch 1, 10.1 against 10.5 at 2, 16.0 against 21.3 at 8, 28.7 against 38.2 at 16).
+# scripts/gpu_kernels.py's decode_fp8_kernels times both.
+FP8_CUDA_MIN_ROWS = 2
 # Decode modes (the kernel's MODE): one split; splits merged by a second kernel; splits merged by the
 # last split program of each (sequence, kv head) to finish, found with an atomic counter; splits of one
 # length for the whole batch (from its longest sequence), merged by a second kernel.
@@ -140,8 +141,11 @@ FP8_BALANCED_DECODE = DecodeConfig(
 # workload's mixed lengths: 145.0 against 167.3 us per layer at batch 256, 76.4 against 90.2 at 64; the
 # workload 28,169 against 25,373 tok/s; three tiles or 128 registers lost; docs/benchmarks.md, run 72),
 # merging its splits in the same launch where it may (the workload 28,600-28,700 against
-# 28,100-28,200, run 78).
-FP8_CUDA_DECODE = replace(FP8_BALANCED_DECODE, kernel="cuda", num_stages=2, max_registers=None)
+# 28,100-28,200, run 78), the grid's KV heads first (run 93: 130.6 against 134.5 us at batch 256, 110.2
+# against 113.2 at 128; the workload 29,924 / 29,947 against 29,672 / 29,680 tok/s).
+FP8_CUDA_DECODE = replace(
+    FP8_BALANCED_DECODE, kernel="cuda", num_stages=2, max_registers=None, kv_heads_first=True
+)
 
 
 @dataclass(frozen=True)
@@ -667,18 +671,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_decode_config(
-    batch: int, num_kv_heads: int, cache_dtype: torch.dtype, num_sms: int = 132
-) -> DecodeConfig:
-    """The configuration ``paged_decode_attention`` uses when it is given none: a grid that needs splits
-    (fewer than 3 programs per SM) merges them in a second kernel, whatever the cache's dtype (H200,
-    Qwen3-0.6B shape, 4096-wide tables, PDL: 7.9 against 9.8 us per layer for the fused merge at batch
-    1 x 600, 11.2 against 15.0 at batch 8); against an FP8 cache, a grid of
-    ``FP8_CUDA_MIN_PROGRAMS_PER_SM`` programs per SM or more: ``FP8_CUDA_DECODE``. bf16's 64-key
-    four-warp tiles, unsplit from 3 programs per SM, run at 3.8-4.0 TB/s on the bench workload's mixed
-    lengths, which no balanced variant beat."""
-    programs = batch * num_kv_heads
-    if cache_dtype == FP8_DTYPE and programs >= FP8_CUDA_MIN_PROGRAMS_PER_SM * num_sms:
+def default_decode_config(batch: int, cache_dtype: torch.dtype) -> DecodeConfig:
+    """The configuration ``paged_decode_attention`` uses when it is given none: against an FP8 cache,
+    from ``FP8_CUDA_MIN_ROWS`` rows, ``FP8_CUDA_DECODE``; otherwise splits (where the grid has fewer than
+    3 programs per SM) merged by a second kernel (H200, Qwen3-0.6B shape, 4096-wide tables, PDL: 7.9
+    against 9.8 us per layer for the fused merge at batch 1 x 600, 11.2 against 15.0 at batch 8). bf16's
+    64-key four-warp tiles, unsplit from 3 programs per SM, run at 3.8-4.0 TB/s on the bench workload's
+    mixed lengths, which no balanced variant beat."""
+    if cache_dtype == FP8_DTYPE and batch >= FP8_CUDA_MIN_ROWS:
         return FP8_CUDA_DECODE
     return MERGE_KERNEL_DECODE
 
@@ -737,7 +737,7 @@ class DecodeWorkspace:
                 num_kv_heads,
                 max_context,
                 num_sms,
-                config or default_decode_config(b, num_kv_heads, cache_dtype, num_sms),
+                config or default_decode_config(b, cache_dtype),
             )
             for b in range(1, max_batch + 1)
         )
@@ -781,7 +781,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     num_sms = _num_sms(query.device)
-    config = config or default_decode_config(batch, num_kv_heads, k_cache.dtype, num_sms)
+    config = config or default_decode_config(batch, k_cache.dtype)
     query = _last_dim_contiguous(query)
     block_tables = _last_dim_contiguous(block_tables)
     max_context = block_tables.shape[1] * block_size

@@ -49,15 +49,15 @@ CASES = [
 ]
 
 
-# The engine's tiles (in registers) and the tiles staged in shared memory, 2 to 4 in flight; the grid's
-# sequences first (the engine's) or its KV heads.
+# The engine's tiles (in registers, the grid's KV heads first) and the tiles staged in shared memory, 2 to
+# 4 in flight; the grid's KV heads or its sequences first.
 TILINGS = {
     "registers": {},
+    "registers_sequences_first": {"kv_heads_first": False},
     "shared_2": {"stage_in_shared": True, "num_stages": 2},
     "shared_3": {"stage_in_shared": True, "num_stages": 3},
     "shared_4": {"stage_in_shared": True, "num_stages": 4},
-    "registers_heads_first": {"kv_heads_first": True},
-    "shared_3_heads_first": {"stage_in_shared": True, "num_stages": 3, "kv_heads_first": True},
+    "shared_3_sequences_first": {"stage_in_shared": True, "num_stages": 3, "kv_heads_first": False},
 }
 
 
@@ -114,7 +114,7 @@ def test_cuda_fp8_decode_takes_float16_and_float32_queries(dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("tiling", ["registers", "shared_3", "shared_3_heads_first"])
+@pytest.mark.parametrize("tiling", ["registers", "registers_sequences_first", "shared_3"])
 def test_cuda_fp8_decode_replays_in_a_cuda_graph(tiling):
     kernels = _kernels()
     gen = generator(9)

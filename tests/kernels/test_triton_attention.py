@@ -163,13 +163,12 @@ def test_paged_decode_matches_reference(
 
 def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
     kernels = _kernels()
-    # A grid that needs splits (fewer than 3 programs per SM): splits merged by a second kernel.
-    for dtype in (DTYPE, FP8_DTYPE):
-        assert kernels.default_decode_config(8, 8, dtype) is kernels.MERGE_KERNEL_DECODE
-    assert kernels.default_decode_config(256, 8, DTYPE) is kernels.MERGE_KERNEL_DECODE
-    for batch in (17, 64, 256):
-        assert kernels.default_decode_config(batch, 8, FP8_DTYPE) is kernels.FP8_CUDA_DECODE
-    assert kernels.default_decode_config(16, 8, FP8_DTYPE) is kernels.MERGE_KERNEL_DECODE
+    # bf16 at any batch and a single FP8 row: splits (where needed) merged by a second kernel.
+    for batch in (1, 8, 256):
+        assert kernels.default_decode_config(batch, DTYPE) is kernels.MERGE_KERNEL_DECODE
+    assert kernels.default_decode_config(1, FP8_DTYPE) is kernels.MERGE_KERNEL_DECODE
+    for batch in (2, 16, 17, 64, 256):
+        assert kernels.default_decode_config(batch, FP8_DTYPE) is kernels.FP8_CUDA_DECODE
     # Towards 64 programs per SM, 16 splits at most (powers of two).
     splits = [
         kernels.decode_num_splits(b, 8, 4096, 132, kernels.FP8_BALANCED_DECODE) for b in (24, 64, 128, 256)
