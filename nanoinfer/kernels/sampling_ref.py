@@ -1,5 +1,6 @@
 """Counter-based sampling noise and one-pass Gumbel-max sampling, in pure PyTorch (the definition the
-Triton kernels in `triton_sampling` match bit for bit, and the path of the general sampler).
+Triton kernels in `triton_sampling` match: the uniform noise bit for bit, the Gumbel noise within 2e-6;
+and the general sampler's path off CUDA).
 
 Noise: each (row, token) gets the 32-bit MurmurHash3 (x86_32, seed 0) of the 20-byte message
 ``seed_lo, seed_hi, offset_lo, offset_hi, token`` (little-endian 32-bit words), where ``seed`` is the
@@ -73,7 +74,8 @@ def gumbel_noise(
     seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int, device: torch.device | str
 ) -> torch.Tensor:
     """Gumbel(0, 1) noise -log(-log(u)), float32 [B, vocab_size], on ``device``: the same u on every
-    device (the log may differ in its last bit between implementations)."""
+    device (the logs may differ in their last bits between implementations; the Triton kernels' by up to
+    2e-6)."""
     u = uniform_noise_ref(seeds.to(device), offsets.to(device), vocab_size)
     return -torch.log(-torch.log(u))
 

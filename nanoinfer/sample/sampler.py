@@ -40,8 +40,8 @@ class SamplerOutput:
 
 
 def _gumbel_noise(metadata: SamplingMetadata, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Gumbel(0, 1) noise of each row's (seed, offset): one Triton kernel on CUDA, the same bits from
-    the torch definition elsewhere."""
+    """Gumbel(0, 1) noise of each row's (seed, offset): one Triton kernel on CUDA (the same noise as
+    ``gumbel_sample`` adds), the torch definition elsewhere."""
     if device.type == "cuda":
         from nanoinfer.kernels import triton_sampling
 
