@@ -1,0 +1,270 @@
+"""Probes of two decode-step levers that were measured and not kept (docs/benchmarks.md, FP8 section,
+twenty-second part); each prints one line per shape and writes $OUT/<probe>.json. CUDA only.
+
+``l2_prefetch``: do the projections' cuBLAS calls get faster when their weights were prefetched into L2
+(``prefetch.global.L2::evict_last``) while an attention-like kernel streamed the KV cache with an
+``evict_first`` policy? 28 layers of Qwen3-0.6B-shaped weights ([qkv | o | gate_up | down] per layer,
+contiguous), a streaming read of M x 600 x 2 KiB of "KV" per layer, the four GEMMs; CUDA graphs; us per
+layer for each arrangement, beside the GEMMs alone over cold (DRAM) and hot (L2) weights.
+
+``two_batch_overlap``: the engine's decode forward (FP8 KV) at B rows x context as one graph of B rows,
+against two halves of B / 2 rows on two streams in one graph (each half's memory-bound attention free to
+overlap the other's GEMMs), and the halves one after the other; ms per forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable
+
+import torch
+
+LAYERS = 28
+HIDDEN, QKV, INTER, QDIM = 1024, 4096, 3072, 2048
+
+_STREAM_SOURCE = r"""
+typedef unsigned long long u64;
+typedef unsigned int u32;
+extern "C" __global__ void stream_read(const uint4* __restrict__ p, int n, u32* sink, int evict_first,
+                                       const char* __restrict__ pre, int pre_bytes) {
+    int tid = blockIdx.x * blockDim.x + threadIdx.x;
+    int nthreads = gridDim.x * blockDim.x;
+    for (int off = tid * 128; off < pre_bytes; off += nthreads * 128)
+        asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(pre + off));
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    u32 acc = 0;
+    for (int i = tid; i < n; i += 4 * nthreads) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int j = i + u * nthreads;
+            v[u].x = v[u].y = v[u].z = v[u].w = 0;
+            if (j < n) {
+                if (evict_first)
+                    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                                 : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                                 : "l"(p + j), "l"(policy));
+                else
+                    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                                 : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(p + j));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads
+}
+extern "C" __global__ void prefetch_l2(const char* __restrict__ p, int nbytes) {
+    int stride = gridDim.x * blockDim.x * 128;
+    for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * 128; i < nbytes; i += stride)
+        asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(p + i));
+}
+"""
+
+
+def graph_ms(run: Callable[[], None], replays: int = 15) -> float:
+    """Median ms of one replay of a CUDA graph of ``run`` (run once eagerly first)."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def l2_prefetch(args) -> dict:
+    stream_kernel = torch.cuda._compile_kernel(_STREAM_SOURCE, "stream_read")
+    prefetch_kernel = torch.cuda._compile_kernel(_STREAM_SOURCE, "prefetch_l2")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    device = torch.device("cuda")
+    sink = torch.zeros(4, dtype=torch.int32, device=device)
+    shapes = {
+        "qkv": (QKV, HIDDEN),
+        "o": (HIDDEN, QDIM),
+        "gate_up": (2 * INTER, HIDDEN),
+        "down": (HIDDEN, INTER),
+    }
+    per_layer = sum(n * k for n, k in shapes.values())
+    # One more layer than run, so that layer l's prefetch range ends in layer l + 1's qkv.
+    weights = torch.randn((LAYERS + 1) * per_layer, device=device, dtype=torch.bfloat16) * 0.02
+    offsets, offset = {}, 0
+    for name, (n, k) in shapes.items():
+        offsets[name] = offset
+        offset += n * k
+
+    def weight(layer: int, name: str) -> torch.Tensor:
+        start = layer * per_layer + offsets[name]
+        n, k = shapes[name]
+        return weights[start : start + n * k].view(n, k)
+
+    def prefetch_range(layer: int) -> tuple[torch.Tensor, int]:
+        """What layer ``layer`` reads after its attention: its o, gate_up and down, then the next qkv."""
+        start = layer * per_layer + offsets["o"]
+        end = (layer + 1) * per_layer + offsets["o"]
+        return weights[start:end], (end - start) * weights.element_size()
+
+    results = {}
+    for m in (64, 128, 256):
+        kv_layer = m * 600 * 2048
+        kv = torch.randint(0, 255, (LAYERS * kv_layer,), dtype=torch.uint8, device=device)
+        x = torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16)
+        attn = torch.randn(m, QDIM, device=device, dtype=torch.bfloat16)
+        outs = {name: torch.empty(m, n, device=device, dtype=x.dtype) for name, (n, _) in shapes.items()}
+        side = torch.cuda.Stream()
+
+        def stream(layer, evict_first, prefetch=None, kv=kv, kv_layer=kv_layer):
+            view = kv[layer * kv_layer : (layer + 1) * kv_layer]
+            target, size = prefetch if prefetch is not None else (sink, 0)
+            stream_kernel(
+                grid=(2 * sms, 1, 1), block=(512, 1, 1),
+                args=[view, kv_layer // 16, sink, int(evict_first), target, size],
+            )  # fmt: skip
+
+        def gemms(layer, hot=False, x=x, attn=attn, outs=outs):
+            source = 0 if hot else layer
+            torch.mm(attn, weight(source, "o").t(), out=outs["o"])
+            torch.mm(x, weight(source, "gate_up").t(), out=outs["gate_up"])
+            torch.mm(outs["gate_up"][:, :INTER], weight(source, "down").t(), out=outs["down"])
+            torch.mm(x, weight(0 if hot else layer + 1, "qkv").t(), out=outs["qkv"])
+
+        def prefetch(layer):
+            target, size = prefetch_range(layer)
+            prefetch_kernel(grid=(sms, 1, 1), block=(256, 1, 1), args=[target, size])
+
+        def side_prefetch(layer, side=side):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                prefetch(layer)
+            stream(layer, True)
+            torch.cuda.current_stream().wait_stream(side)
+
+        per_layer_steps = {
+            "stream_then_gemms": lambda layer: (stream(layer, False), gemms(layer)),
+            "evict_first_then_gemms": lambda layer: (stream(layer, True), gemms(layer)),
+            "prefetch_in_stream_then_gemms": lambda layer: (
+                stream(layer, True, prefetch_range(layer)),
+                gemms(layer),
+            ),
+            "prefetch_on_side_stream_then_gemms": lambda layer: (side_prefetch(layer), gemms(layer)),
+            "stream_prefetch_gemms": lambda layer: (stream(layer, True), prefetch(layer), gemms(layer)),
+            "stream_only": lambda layer: stream(layer, False),
+            "stream_only_with_prefetch": lambda layer: stream(layer, True, prefetch_range(layer)),
+            "gemms_cold": gemms,
+            "gemms_hot": lambda layer: gemms(layer, hot=True),
+        }
+        entry = {}
+        for name, step in per_layer_steps.items():
+            entry[f"{name}_us"] = round(
+                graph_ms(lambda step=step: [step(layer) for layer in range(LAYERS)]) * 1e3 / LAYERS, 2
+            )
+        entry["stream_tbps"] = round(kv_layer / entry["stream_only_us"] / 1e6, 3)
+        results[f"M={m}"] = entry
+        print(f"l2_prefetch M={m}", json.dumps(entry), flush=True)
+        del kv
+        torch.cuda.empty_cache()
+    return results
+
+
+def two_batch_overlap(args) -> dict:
+    from nanoinfer.frontend.llm import LLM
+    from nanoinfer.layers.attention import AttentionMetadata
+
+    llm = LLM(args.model, kv_cache_dtype="fp8")
+    runner = llm.llm_engine.engine_core.executor.runner
+    model, buffers = runner.model, runner.buffers
+    first = runner.attention_layers[0]
+    backend = first.backend
+    workspaces = (
+        backend.decode_workspace,
+        type(backend.decode_workspace).allocate(
+            buffers.seq_lens.shape[0], first.num_heads, runner.num_kv_heads, runner.head_dim,
+            buffers.block_tables.shape[1] * runner.block_size, runner.device, cache_dtype=runner.kv_dtype,
+        ),
+    )  # fmt: skip
+
+    def metadata(lo: int, hi: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=buffers.slot_mapping[lo:hi],
+            query_start_loc=buffers.query_start_loc[: hi - lo + 1],
+            seq_lens=buffers.seq_lens[lo:hi],
+            block_tables=buffers.block_tables[lo:hi],
+            num_decode_rows=hi - lo,
+            max_query_len=1,
+            max_seq_len=runner.config.max_model_len,
+        )
+
+    results = {"kv_blocks": runner.num_kv_blocks}
+    with torch.inference_mode():
+        buffers.query_start_loc.copy_(torch.arange(len(buffers.query_start_loc), dtype=torch.int32))
+        for batch, context in ((256, 1024), (256, 600), (128, 1024), (64, 1024)):
+            blocks = context // runner.block_size
+            pool = torch.randperm(runner.num_kv_blocks, device=runner.device)[: batch * blocks]
+            buffers.block_tables[:batch, :blocks] = pool.view(batch, blocks).int()
+            buffers.seq_lens[:batch] = context
+            buffers.positions[:batch] = context - 1
+            buffers.slot_mapping[:batch] = -1  # nothing written: every replay reads the same cache
+            buffers.input_ids[:batch] = torch.randint(0, 1000, (batch,), device=runner.device)
+            out = torch.empty(batch, HIDDEN, dtype=torch.bfloat16, device=runner.device)
+            half = batch // 2
+
+            def forward(lo, hi, workspace, out=out):
+                backend.decode_workspace = workspace  # read when each layer's attention is issued
+                out[lo:hi] = model(buffers.input_ids[lo:hi], buffers.positions[lo:hi], metadata(lo, hi))
+
+            def halves(side, half=half, batch=batch, forward=forward):
+                main = torch.cuda.current_stream()  # the capture's stream
+                if side is not None:
+                    side.wait_stream(main)
+                forward(0, half, workspaces[0])
+                with torch.cuda.stream(side or main):
+                    forward(half, batch, workspaces[1])
+                if side is not None:
+                    main.wait_stream(side)
+                backend.decode_workspace = workspaces[0]
+
+            entry = {
+                "one_batch_ms": graph_ms(lambda fwd=forward, rows=batch: fwd(0, rows, workspaces[0])),
+                "halves_serial_ms": graph_ms(lambda halves=halves: halves(None)),
+                "halves_two_streams_ms": graph_ms(lambda halves=halves: halves(torch.cuda.Stream())),
+                "halves_two_streams_side_high_priority_ms": graph_ms(
+                    lambda halves=halves: halves(torch.cuda.Stream(priority=-1))
+                ),
+            }
+            entry = {key: round(value, 4) for key, value in entry.items()}
+            results[f"B={batch} x {context}"] = entry
+            print(f"two_batch_overlap B={batch} x {context}", json.dumps(entry), flush=True)
+    llm.close()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("probe", choices=["l2_prefetch", "two_batch_overlap"])
+    parser.add_argument("--model", help="checkpoint directory (two_batch_overlap)")
+    args = parser.parse_args()
+    if args.probe == "two_batch_overlap" and not args.model:
+        parser.error("two_batch_overlap needs --model")
+    result = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("NANOINFER_COMMIT", "unknown")}
+    result.update((l2_prefetch if args.probe == "l2_prefetch" else two_batch_overlap)(args))
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, f"{args.probe}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
