@@ -71,9 +71,15 @@ def _uniform_bits(key, tokens):
 
 
 @triton.jit
+def _unit(bits):
+    """(bits + 0.5) / 2^UNIFORM_BITS: strictly inside (0, 1), exact in float32."""
+    return (bits.to(tl.float32) + 0.5) * _UNIFORM_STEP
+
+
+@triton.jit
 def _uniform(key, tokens):
     """u in (0, 1) for the tokens (int32 vector) of the row whose key is ``key``."""
-    return (_uniform_bits(key, tokens).to(tl.float32) + 0.5) * _UNIFORM_STEP
+    return _unit(_uniform_bits(key, tokens))
 
 
 @triton.jit
@@ -91,11 +97,11 @@ def _log2(x, APPROX: tl.constexpr):
 
 @triton.jit
 def _gumbel(key, tokens, APPROX_LOG2: tl.constexpr):
-    """Gumbel noise -log(-log(u)) for the tokens of the row keyed ``key``, u = (bits + 0.5) / 2^BITS
-    as ``_uniform`` gives it, and v = 1 - u = (2^BITS - 1 - bits + 0.5) / 2^BITS, both exact."""
+    """Gumbel noise -log(-log(u)) for the tokens of the row keyed ``key``, u as ``_uniform`` gives it,
+    and v = 1 - u exactly (the unit of the complementary bits, 2^BITS - 1 - bits)."""
     bits = _uniform_bits(key, tokens)
-    u = (bits.to(tl.float32) + 0.5) * _UNIFORM_STEP
-    v = ((bits ^ _UNIFORM_MAX).to(tl.float32) + 0.5) * _UNIFORM_STEP
+    u = _unit(bits)
+    v = _unit(bits ^ _UNIFORM_MAX)
     series = 1.0 / 6.0 + v * (1.0 / 7.0)
     series = 1.0 / 5.0 + v * series
     series = 1.0 / 4.0 + v * series
