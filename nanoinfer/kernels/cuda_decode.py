@@ -200,6 +200,14 @@ __device__ __forceinline__ void copy_async_8(void* dst, const unsigned char* src
                  :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
 }
 
+// Programmatic dependent launch (sm_90 and up): wait until the previous kernel has finished and its
+// writes are visible (at once where the launch did not ask for it).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int PENDING> __device__ __forceinline__ void wait_copies() {
@@ -445,7 +453,10 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const int split_tiles = max((((longest + num_splits - 1) / num_splits) + 15) / 16, 1);
     const int split_len = split_tiles * 16;
     const int used_splits = max((seq_len + split_len - 1) / split_len, 1);
-    if (split >= used_splits) return;
+    if (split >= used_splits) {
+        grid_dependency_wait();  // every program waits, so the grid never finishes before its predecessor
+        return;
+    }
     const int start = split * split_len;
     const int end = min(start + split_len, seq_len);
 
@@ -466,9 +477,34 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
         }
         commit_copies();
     };
+    // Launched with programmatic dependent launch, this grid may start while the previous kernel (this
+    // step's K/V store, which also writes the query) still runs: until grid_dependency_wait only the
+    // lengths, the tables and tiles wholly before the newest key (cached by earlier steps) are read.
+    const int newest = seq_len - 1;
+    auto before_newest = [&](int p) { return start + 16 * p + 16 <= newest; };
+    auto load = [&](Tile<CHUNKS>& t, int at) {
+        load_tile<HD, BS>(t, k_head, v_head, table, at, kcb, kcs, vcb, vcs, g, c);
+    };
+    Tile<CHUNKS> tiles[STAGED ? 1 : DEPTH];
+    int staged_early = 0;
     if constexpr (STAGED) {
+        while (staged_early < DEPTH && (staged_early >= num_tiles || before_newest(staged_early))) {
+            stage(staged_early++);
+        }
+    } else {
         #pragma unroll
-        for (int p = 0; p < DEPTH; ++p) stage(p);
+        for (int p = 0; p < DEPTH - 1; ++p) {
+            if (p < num_tiles && before_newest(p)) load(tiles[p], start + 16 * p);
+        }
+    }
+    grid_dependency_wait();
+    if constexpr (STAGED) {
+        for (int p = staged_early; p < DEPTH; ++p) stage(p);
+    } else {
+        #pragma unroll
+        for (int p = 0; p < DEPTH - 1; ++p) {
+            if (p < num_tiles && !before_newest(p)) load(tiles[p], start + 16 * p);
+        }
     }
 
     // The query rows (scaled into log2 units, K's scale folded in) as this lane's B operands: query g,
@@ -498,9 +534,6 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     float m[2] = {neg_inf, neg_inf};
     float l[2] = {0.f, 0.f};
 
-    auto load = [&](Tile<CHUNKS>& t, int at) {
-        load_tile<HD, BS>(t, k_head, v_head, table, at, kcb, kcs, vcb, vcs, g, c);
-    };
     if constexpr (STAGED) {
         for (int p = 0; p < num_tiles; ++p) {
             wait_copies<DEPTH - 1>();
@@ -510,11 +543,6 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
             stage(p + DEPTH);
         }
     } else {
-        Tile<CHUNKS> tiles[DEPTH];
-        #pragma unroll
-        for (int p = 0; p < DEPTH - 1; ++p) {
-            if (start + 16 * p < end) load(tiles[p], start + 16 * p);
-        }
         for (int tile = start; tile < end; tile += 16 * DEPTH) {
             #pragma unroll
             for (int p = 0; p < DEPTH; ++p) {
@@ -576,12 +604,13 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
 
 @dataclass(frozen=True)
 class DecodeKernel:
-    """A compiled instantiation of the kernel and the dynamic shared memory each launch gives it (its
-    stages in STAGED mode, else none)."""
+    """A compiled instantiation of the kernel, the dynamic shared memory each launch gives it (its
+    stages in STAGED mode, else none), and whether its device has programmatic dependent launch."""
 
     function: Any
     shared_mem: int
     heads_first: bool
+    has_pdl: bool
 
 
 def kernel_for(
@@ -669,7 +698,7 @@ def _kernel(
                     function.func, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100
                 )
             )
-        return DecodeKernel(function, shared_mem, bool(heads_first))
+        return DecodeKernel(function, shared_mem, bool(heads_first), has_pdl=arch >= 90)
     except (ImportError, OSError, RuntimeError) as exc:
         logger.warning("CUDA FP8 decode kernel unavailable (%s); using the Triton kernel", exc)
         return None
@@ -725,11 +754,14 @@ def launch(
     num_splits: int,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    pdl: bool = False,
 ) -> bool:
     """Balanced-mode decode with the ``kernel`` that :func:`kernel_for` gave for this call. Up to
     ``MERGE_IN_KERNEL_MAX_SPLITS`` splits are merged in the same launch (``counters``: int32 zeros, one per
     (sequence, KV head), zeros again after the call); returns False where the caller must still merge
-    them (``_decode_merge_kernel``). Capturable in a CUDA graph."""
+    them (``_decode_merge_kernel``). With ``pdl`` the launch asks for programmatic dependent launch: the
+    grid may start while the previous kernel runs (it waits for it before reading the query or any tile
+    that holds a sequence's newest key, which that kernel may be writing). Capturable in a CUDA graph."""
     batch, num_heads, _ = query.shape
     num_kv_heads = k_cache.shape[2]
     merges = num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
@@ -761,5 +793,56 @@ def launch(
         int(merges),
     ]
     grid = (num_kv_heads, batch, num_splits) if kernel.heads_first else (batch, num_kv_heads, num_splits)
-    kernel.function(grid=grid, block=(32, 1, 1), args=args, shared_mem=kernel.shared_mem)
+    _launch(kernel, grid, args, torch.cuda.current_stream(query.device).cuda_stream, pdl and kernel.has_pdl)
     return merges
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """The driver API's CUlaunchAttribute: an id, then a 64-byte union of values."""
+
+    _fields_ = [("id", ctypes.c_int), ("value", ctypes.c_uint64 * 8)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """The driver API's CUlaunchConfig."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def _launch(kernel: DecodeKernel, grid: tuple[int, int, int], args: list, stream: int, pdl: bool) -> None:
+    """One warp per block, through cuLaunchKernelEx (PyTorch's launcher has no launch attributes): with
+    ``pdl`` the programmatic-stream-serialization attribute. Tensors pass as device pointers, ints as C
+    ints, floats as doubles (the kernel's parameter types)."""
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    values = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            values.append(ctypes.c_void_p(arg.data_ptr()))
+        elif isinstance(arg, int):
+            values.append(ctypes.c_int(arg))
+        else:
+            values.append(ctypes.c_double(arg))
+    params = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values))
+    attribute = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = _LaunchConfig(
+        grid=(ctypes.c_uint * 3)(*grid),
+        block=(ctypes.c_uint * 3)(32, 1, 1),
+        shared_mem_bytes=kernel.shared_mem,
+        stream=ctypes.c_void_p(stream),
+        attrs=ctypes.pointer(attribute) if pdl else None,
+        num_attrs=1 if pdl else 0,
+    )
+    driver = _get_gpu_runtime_library()
+    _check_cuda(driver.cuLaunchKernelEx(ctypes.byref(config), kernel.function.func, params, None))

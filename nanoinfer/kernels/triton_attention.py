@@ -854,10 +854,9 @@ def _launch_decode(
         )
     merged = False
     if cuda_kernel is not None:
-        # Launched without PDL: it starts once the previous kernel has finished.
         merged = _cuda_decode().launch(
             cuda_kernel, query, k_cache, v_cache, block_tables, seq_lens, scale, out, partial_out,
-            partial_lse, counters, num_splits, k_scale, v_scale,
+            partial_lse, counters, num_splits, k_scale, v_scale, pdl,
         )  # fmt: skip
     else:
         _decode_kernel[(batch, num_kv_heads, num_splits)](

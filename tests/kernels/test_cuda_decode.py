@@ -97,6 +97,55 @@ def test_cuda_fp8_decode_matches_reference(
 
 
 @gpu_only
+@pytest.mark.parametrize("tiling", ["registers", "shared_3"])
+def test_cuda_fp8_decode_reads_the_newest_key_the_store_before_it_writes(tiling):
+    """The engine's order under programmatic dependent launch: ``qk_norm_rope_store`` writes each
+    sequence's newest key and value (and its query), and the decode kernel, which may start while that
+    kernel runs, reads them. Before each store the newest slots hold e4m3's NaN code, so a tile read
+    before the store finished would show as NaN."""
+    elementwise = triton_module("triton_elementwise")
+    kernels = _kernels()
+    gen = generator(11)
+    seq_lens = [1, 2, 16, 17, 32, 33, 500, 1000] * 16
+    num_heads, num_kv_heads, head_dim, block_size = 16, 8, 128, 16
+    batch = len(seq_lens)
+    tables, num_blocks = random_tables(gen, seq_lens, block_size)
+    scales = fp8_scales(0.5, 0.25)
+    older = [n - 1 for n in seq_lens]  # every slot but the newest; that one holds the NaN code
+    k_cache, v_cache = _fp8_cache(
+        gen, tables, older, num_blocks, block_size, num_kv_heads, head_dim, scales, "head_major"
+    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    positions = lens.long() - 1
+    slots = tables.long().gather(1, (positions // block_size)[:, None])[:, 0] * block_size
+    slots += positions % block_size
+    cos_sin = randn(gen, max(seq_lens), head_dim)
+    workspace = kernels.DecodeWorkspace.allocate(
+        batch, num_heads, num_kv_heads, head_dim, tables.shape[1] * block_size, DEVICE, cache_dtype=FP8_DTYPE
+    )
+    q_out = torch.empty(batch, num_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    out = torch.empty_like(q_out)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    for step in range(4):
+        qkv = randn(gen, batch, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.bfloat16)
+        for cache in (k_cache, v_cache):  # the newest slots back to the NaN code
+            cache.view(torch.uint8)[tables.long().gather(1, (positions // block_size)[:, None])[:, 0],
+                                    positions % block_size] = 0x7F  # fmt: skip
+        torch.cuda.synchronize()
+        elementwise.qk_norm_rope_store(
+            qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, None, None, 1e-6, k_cache, v_cache,
+            slots, *scales, pdl=True, q_out=q_out,
+        )  # fmt: skip
+        kernels.paged_decode_attention(
+            q_out, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out, workspace=workspace,
+            k_scale=scales[0], v_scale=scales[1], config=_cuda_config(kernels, tiling), pdl=True,
+        )  # fmt: skip
+        ref = paged_attention_ref(q_out, k_cache, v_cache, qsl, lens, tables, head_dim**-0.5, *scales)
+        assert not out.isnan().any(), f"step {step}"
+        assert rel_error(out, ref) < 1e-2, f"step {step}"
+
+
+@gpu_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_cuda_fp8_decode_takes_float16_and_float32_queries(dtype):
     kernels = _kernels()
