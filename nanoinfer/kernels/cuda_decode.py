@@ -819,11 +819,20 @@ class _LaunchConfig(ctypes.Structure):
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
+@functools.cache
+def _launch_kernel_ex() -> Any:
+    """The driver's cuLaunchKernelEx, looked up once: loading the library and finding the symbol took
+    about as long again as the rest of a launch's host work, on every launch outside a graph."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    return _get_gpu_runtime_library().cuLaunchKernelEx
+
+
 def _launch(kernel: DecodeKernel, grid: tuple[int, int, int], args: list, stream: int, pdl: bool) -> None:
     """One warp per block, through cuLaunchKernelEx (PyTorch's launcher has no launch attributes): with
     ``pdl`` the programmatic-stream-serialization attribute. Tensors pass as device pointers, ints as C
     ints, floats as doubles (the kernel's parameter types)."""
-    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+    from torch.cuda._utils import _check_cuda
 
     values = []
     for arg in args:
@@ -844,5 +853,4 @@ def _launch(kernel: DecodeKernel, grid: tuple[int, int, int], args: list, stream
         attrs=ctypes.pointer(attribute) if pdl else None,
         num_attrs=1 if pdl else 0,
     )
-    driver = _get_gpu_runtime_library()
-    _check_cuda(driver.cuLaunchKernelEx(ctypes.byref(config), kernel.function.func, params, None))
+    _check_cuda(_launch_kernel_ex()(ctypes.byref(config), kernel.function.func, params, None))

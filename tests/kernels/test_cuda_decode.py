@@ -117,8 +117,8 @@ def test_cuda_fp8_decode_reads_the_newest_key_the_store_before_it_writes(tiling)
     )
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     positions = lens.long() - 1
-    slots = tables.long().gather(1, (positions // block_size)[:, None])[:, 0] * block_size
-    slots += positions % block_size
+    newest_blocks = tables.long().gather(1, (positions // block_size)[:, None])[:, 0]
+    slots = newest_blocks * block_size + positions % block_size
     cos_sin = randn(gen, max(seq_lens), head_dim)
     workspace = kernels.DecodeWorkspace.allocate(
         batch, num_heads, num_kv_heads, head_dim, tables.shape[1] * block_size, DEVICE, cache_dtype=FP8_DTYPE
@@ -129,8 +129,7 @@ def test_cuda_fp8_decode_reads_the_newest_key_the_store_before_it_writes(tiling)
     for step in range(4):
         qkv = randn(gen, batch, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.bfloat16)
         for cache in (k_cache, v_cache):  # the newest slots back to the NaN code
-            cache.view(torch.uint8)[tables.long().gather(1, (positions // block_size)[:, None])[:, 0],
-                                    positions % block_size] = 0x7F  # fmt: skip
+            cache.view(torch.uint8)[newest_blocks, positions % block_size] = 0x7F
         torch.cuda.synchronize()
         elementwise.qk_norm_rope_store(
             qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, None, None, 1e-6, k_cache, v_cache,
