@@ -1,5 +1,6 @@
-"""Probes of two decode-step levers that were measured and not kept (docs/benchmarks.md, FP8 section,
-twenty-second part); each prints one line per shape and writes $OUT/<probe>.json. CUDA only.
+"""Probes of decode-step levers that were measured and not kept (docs/benchmarks.md, FP8 section,
+twenty-second and twenty-fourth parts); each prints one line per shape and writes $OUT/<probe>.json.
+CUDA only.
 
 ``l2_prefetch``: do the projections' cuBLAS calls get faster when their weights were prefetched into L2
 (``prefetch.global.L2::evict_last``) while an attention-like kernel streamed the KV cache with an
@@ -10,11 +11,21 @@ layer for each arrangement, beside the GEMMs alone over cold (DRAM) and hot (L2)
 ``two_batch_overlap``: the engine's decode forward (FP8 KV) at B rows x context as one graph of B rows,
 against two halves of B / 2 rows on two streams in one graph (each half's memory-bound attention free to
 overlap the other's GEMMs), and the halves one after the other; ms per forward.
+
+``cublas_pdl``: do cuBLAS's GEMMs wait for their predecessor (``griddepcontrol.wait``), so that the graph
+edges into them could be made programmatic, as those into nanoinfer's own kernels are? Per projection of
+the Qwen3-0.6B shape and decode graph row count: a graph of a kernel that lets its dependents launch at
+once and writes the projection's input after spinning 50 us, then the projection (the engine's own
+dispatch); the edge between them turned programmatic after capture; the input zeroed before each of 3
+replays. A projection that does not wait reads the zeros. A control (a torch kernel, which does not
+wait) must read them.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 import os
 import statistics
@@ -253,15 +264,166 @@ def two_batch_overlap(args) -> dict:
     return results
 
 
+class _EdgeData(ctypes.Structure):
+    """The driver API's CUgraphEdgeData."""
+
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]  # fmt: skip
+
+
+class _KernelNodeParams(ctypes.Structure):
+    """The driver API's CUDA_KERNEL_NODE_PARAMS_v2."""
+
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem_bytes", ctypes.c_uint), ("kernel_params", ctypes.c_void_p),
+                ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]  # fmt: skip
+
+
+def _driver_call(name: str, *args) -> None:
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    result = getattr(_get_gpu_runtime_library(), name)(*args)
+    if result != 0:
+        raise RuntimeError(f"{name} failed with CUDA driver error {result}")
+
+
+def _kernel_names(graph: int) -> dict[int, str]:
+    """Kernel node handle -> kernel name, for a captured (kept) graph."""
+    count = ctypes.c_size_t(0)
+    _driver_call("cuGraphGetNodes", ctypes.c_void_p(graph), None, ctypes.byref(count))
+    nodes = (ctypes.c_void_p * count.value)()
+    _driver_call("cuGraphGetNodes", ctypes.c_void_p(graph), nodes, ctypes.byref(count))
+    names = {}
+    for node in nodes:
+        node_type = ctypes.c_int(-1)
+        _driver_call("cuGraphNodeGetType", ctypes.c_void_p(node), ctypes.byref(node_type))
+        if node_type.value != 0:  # CU_GRAPH_NODE_TYPE_KERNEL
+            continue
+        params, name = _KernelNodeParams(), ctypes.c_char_p()
+        _driver_call("cuGraphKernelNodeGetParams_v2", ctypes.c_void_p(node), ctypes.byref(params))
+        if params.func:
+            _driver_call("cuFuncGetName", ctypes.byref(name), ctypes.c_void_p(params.func))
+        else:
+            _driver_call("cuKernelGetName", ctypes.byref(name), ctypes.c_void_p(params.kern))
+        names[node] = name.value.decode()
+    return names
+
+
+def _turn_edges_from(graph: int, source_name: str) -> list[str]:
+    """Makes the full edges from the kernel ``source_name`` into other kernels programmatic; returns the
+    names of the kernels they lead into."""
+    names = _kernel_names(graph)
+    count = ctypes.c_size_t(0)
+    _driver_call("cuGraphGetEdges_v2", ctypes.c_void_p(graph), None, None, None, ctypes.byref(count))
+    sources, destinations = (ctypes.c_void_p * count.value)(), (ctypes.c_void_p * count.value)()
+    data = (_EdgeData * count.value)()
+    _driver_call(
+        "cuGraphGetEdges_v2", ctypes.c_void_p(graph), sources, destinations, data, ctypes.byref(count)
+    )
+    turned = []
+    for source, destination, edge in zip(sources, destinations, data, strict=True):
+        if source in names and destination in names and source_name in names[source] and edge.type == 0:
+            full, programmatic = (
+                _EdgeData(),
+                _EdgeData(from_port=1, type=1),
+            )  # PORT_PROGRAMMATIC, PROGRAMMATIC
+            pair = (ctypes.c_void_p(source), ctypes.c_void_p(destination))
+            _driver_call("cuGraphRemoveDependencies_v2", ctypes.c_void_p(graph), ctypes.byref(pair[0]),
+                         ctypes.byref(pair[1]), ctypes.byref(full), ctypes.c_size_t(1))  # fmt: skip
+            _driver_call("cuGraphAddDependencies_v2", ctypes.c_void_p(graph), ctypes.byref(pair[0]),
+                         ctypes.byref(pair[1]), ctypes.byref(programmatic), ctypes.c_size_t(1))  # fmt: skip
+            turned.append(names[destination])
+    return turned
+
+
+@functools.cache
+def _spin_then_copy() -> Callable[[torch.Tensor, torch.Tensor], None]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def spin_then_copy(source, destination, n, spin_ns, BLOCK: tl.constexpr):
+        tl.extra.cuda.gdc_launch_dependents()
+        start = tl.extra.cuda.globaltimer()
+        now = start
+        while now - start < spin_ns:
+            now = tl.extra.cuda.globaltimer()
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(destination + offsets, tl.load(source + offsets, mask=offsets < n), mask=offsets < n)
+
+    def launch(source: torch.Tensor, destination: torch.Tensor) -> None:
+        grid = (triton.cdiv(source.numel(), 1024),)
+        spin_then_copy[grid](source, destination, source.numel(), 50_000, BLOCK=1024)
+
+    return launch
+
+
+def _reads_after_write(project: Callable[[torch.Tensor], torch.Tensor], source: torch.Tensor) -> dict:
+    """Whether ``project`` behind a programmatic edge from spin_then_copy reads the written input."""
+    from nanoinfer.layers.kernels import SplitKPartials
+
+    def dense(result):
+        return result.parts.sum(0) if isinstance(result, SplitKPartials) else result.float()
+
+    spin, x = _spin_then_copy(), torch.empty_like(source)
+    expected = dense(project(source))
+    spin(source, x)
+    project(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        spin(source, x)
+        out = project(x)
+    turned = _turn_edges_from(graph.raw_cuda_graph(), "spin_then_copy")
+    graph.instantiate()
+    correct = []
+    for _ in range(3):
+        x.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        correct.append(bool(torch.allclose(dense(out), expected, rtol=1e-2, atol=1e-2)))
+    return {"kernels": turned, "correct": correct}
+
+
+def cublas_pdl(args) -> dict:
+    from nanoinfer.executor.cuda_graphs import cuda_graph_batch_sizes
+    from nanoinfer.layers.kernels import triton_kernels
+
+    kernels = triton_kernels(pdl=True)
+    projections = {
+        "qkv": (QKV, HIDDEN, False),
+        "o": (HIDDEN, QDIM, True),
+        "gate_up": (2 * INTER, HIDDEN, False),
+        "down": (HIDDEN, INTER, True),
+        "lm_head": (151936, HIDDEN, False),
+    }
+    results = {}
+    for name, (out_features, in_features, residual_branch) in projections.items():
+        weight = (
+            torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) / in_features**0.5
+        )
+        linear = kernels.residual_branch_linear if residual_branch else kernels.linear
+        for rows in cuda_graph_batch_sizes(256):
+            source = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+            entry = _reads_after_write(lambda x, w=weight, f=linear: f(x, w), source)
+            results[f"{name} M={rows}"] = entry
+            print(f"cublas_pdl {name} M={rows}", json.dumps(entry), flush=True)
+    control = _reads_after_write(lambda x: x * 2, torch.randn(256, HIDDEN, device="cuda"))
+    results["control (torch elementwise)"] = control
+    print("cublas_pdl control", json.dumps(control), flush=True)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("probe", choices=["l2_prefetch", "two_batch_overlap"])
+    parser.add_argument("probe", choices=["l2_prefetch", "two_batch_overlap", "cublas_pdl"])
     parser.add_argument("--model", help="checkpoint directory (two_batch_overlap)")
     args = parser.parse_args()
     if args.probe == "two_batch_overlap" and not args.model:
         parser.error("two_batch_overlap needs --model")
     result = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("NANOINFER_COMMIT", "unknown")}
-    result.update((l2_prefetch if args.probe == "l2_prefetch" else two_batch_overlap)(args))
+    probes = {"l2_prefetch": l2_prefetch, "two_batch_overlap": two_batch_overlap, "cublas_pdl": cublas_pdl}
+    result.update(probes[args.probe](args))
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, f"{args.probe}.json"), "w") as f:
         json.dump(result, f, indent=1)

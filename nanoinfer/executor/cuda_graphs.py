@@ -14,7 +14,6 @@ from functools import partial
 import torch
 from torch import nn
 
-from nanoinfer.executor.graph_edges import make_edges_programmatic
 from nanoinfer.executor.input_batch import SamplingBuffers
 from nanoinfer.layers.attention import AttentionMetadata
 
@@ -83,12 +82,8 @@ class CudaGraphs:
         hidden_size: int,
         dtype: torch.dtype,
         sampling: SamplingBuffers | None = None,
-        programmatic_edges: bool = False,
     ):
         self.model = model
-        # Whether captured graphs get programmatic edges into cuBLAS's GEMMs (`graph_edges`).
-        self.programmatic_edges = programmatic_edges
-        self.num_programmatic_edges = 0  # how many edges capture turned
         self.buffers = buffers
         self.sampling = sampling
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -122,12 +117,9 @@ class CudaGraphs:
         initialisation (kernel compilation, the masked sampling inputs) must not be captured."""
         run()
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph(keep_graph=self.programmatic_edges)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self._pool):
             run()
-        if self.programmatic_edges:
-            self.num_programmatic_edges += make_edges_programmatic(graph)
-            graph.instantiate()
         if self._pool is None:
             self._pool = graph.pool()
         torch.cuda.synchronize()

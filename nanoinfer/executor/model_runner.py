@@ -28,7 +28,6 @@ from nanoinfer.executor.cuda_graphs import (
     cuda_graph_batch_sizes,
     piecewise_token_buckets,
 )
-from nanoinfer.executor.graph_edges import supports_programmatic_edges
 from nanoinfer.executor.input_batch import InputBatch, StepInputs, StepPlan
 from nanoinfer.executor.pinned import PinnedRing
 from nanoinfer.kernels.attention_ref import FP8_DTYPE, FP8_MAX
@@ -213,17 +212,9 @@ class ModelRunner:
             # which of the two graphs rank 0 replays, so that their collectives pair up.
             sampling = self.input_batch.step_sampling if self.tp_size == 1 else None
             self.graphs = CudaGraphs(
-                self.model,
-                self.buffers,
-                config.hf_config.hidden_size,
-                self.dtype,
-                sampling,
-                programmatic_edges=supports_programmatic_edges(self.device),
+                self.model, self.buffers, config.hf_config.hidden_size, self.dtype, sampling
             )
             self.graphs.capture(graph_sizes, config.max_model_len)
-            logger.info(
-                "decode graphs: %d edges into GEMMs made programmatic", self.graphs.num_programmatic_edges
-            )
             self.piecewise = PiecewiseGraphs(
                 self.model, self.buffers, self.attention_layers, first.num_heads, self.head_dim, self.dtype
             )
