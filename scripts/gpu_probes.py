@@ -15,8 +15,9 @@ overlap the other's GEMMs), and the halves one after the other; ms per forward.
 ``cublaslt_algos``: is there a faster cuBLASLt algorithm than the one cuBLAS picks for the projections at
 32-256 rows? Per projection and row count: ``torch.mm`` (what the engine calls; the split-K form for the
 residual branches' ends beside it) against every algorithm ``cublasLtMatmulAlgoGetHeuristic`` offers
-(up to 32), each timed in a graph of 20 calls rotating through enough weight copies that every call
-reads its weight from DRAM, and each checked against ``torch.mm``; us per call.
+(32 asked for; it offered 8 on an H100), each timed in a graph of 20 calls rotating through enough
+weight copies that every call reads its weight from DRAM, and each checked against ``torch.mm``; us
+per call.
 
 ``cublas_pdl``: do cuBLAS's GEMMs wait for their predecessor (``griddepcontrol.wait``), so that the graph
 edges into them could be made programmatic, as those into nanoinfer's own kernels are? Per projection of
@@ -391,7 +392,70 @@ def _reads_after_write(project: Callable[[torch.Tensor], torch.Tensor], source: 
     return {"kernels": turned, "correct": correct}
 
 
-def _time_algos(lt, project: Callable | None, weights: list[torch.Tensor], m: int) -> dict:
+class _Heuristic(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t."""
+
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # fmt: skip
+
+
+class _CublasLt:
+    """Row-major ``out[M, N] = x[M, K] @ weight[N, K].T`` in bf16 through cuBLASLt with a chosen algorithm:
+    column-major ``out.T = op_T(weight) @ x.T`` (``TN``, as cuBLAS runs torch.mm)."""
+
+    COMPUTE_32F, R_32F, R_16BF, TRANSA, OP_T, MAX_WORKSPACE = 68, 0, 14, 3, 1, 1
+
+    def __init__(self, workspace_bytes: int = 32 << 20):
+        torch.mm(torch.ones(8, 8, device="cuda"), torch.ones(8, 8, device="cuda"))  # loads cuBLAS(Lt)
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "libcublasLt.so" in line)
+        self.lib = ctypes.CDLL(path)  # the one torch loaded
+        self.handle = ctypes.c_void_p()
+        self._check("cublasLtCreate", ctypes.byref(self.handle))
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
+
+    def _check(self, name: str, *args) -> None:
+        status = getattr(self.lib, name)(*args)
+        if status != 0:
+            raise RuntimeError(f"{name} failed with cuBLAS status {status}")
+
+    def _layout(self, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+        layout = ctypes.c_void_p()
+        self._check("cublasLtMatrixLayoutCreate", ctypes.byref(layout), ctypes.c_int(self.R_16BF),
+                    ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(ld))  # fmt: skip
+        return layout
+
+    def plan(self, m: int, n: int, k: int, count: int = 32) -> tuple[tuple, list[_Heuristic]]:
+        desc = ctypes.c_void_p()
+        self._check("cublasLtMatmulDescCreate", ctypes.byref(desc), ctypes.c_int(self.COMPUTE_32F),
+                    ctypes.c_int(self.R_32F))  # fmt: skip
+        trans = ctypes.c_int32(self.OP_T)
+        self._check("cublasLtMatmulDescSetAttribute", desc, ctypes.c_int(self.TRANSA), ctypes.byref(trans),
+                    ctypes.c_size_t(4))  # fmt: skip
+        layouts = (self._layout(k, n, k), self._layout(k, m, k), self._layout(n, m, n))
+        preference = ctypes.c_void_p()
+        self._check("cublasLtMatmulPreferenceCreate", ctypes.byref(preference))
+        size = ctypes.c_size_t(self.workspace.numel())
+        self._check("cublasLtMatmulPreferenceSetAttribute", preference, ctypes.c_int(self.MAX_WORKSPACE),
+                    ctypes.byref(size), ctypes.c_size_t(8))  # fmt: skip
+        results, returned = (_Heuristic * count)(), ctypes.c_int(0)
+        self._check("cublasLtMatmulAlgoGetHeuristic", self.handle, desc, layouts[0], layouts[1], layouts[2],
+                    layouts[2], preference, ctypes.c_int(count), results, ctypes.byref(returned))  # fmt: skip
+        return (desc, *layouts), [r for r in results[: returned.value] if r.state == 0]
+
+    def matmul(self, plan: tuple, algo: _Heuristic, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor):
+        desc, a_layout, b_layout, c_layout = plan
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._check("cublasLtMatmul", self.handle, desc, ctypes.byref(alpha),
+                    ctypes.c_void_p(weight.data_ptr()), a_layout, ctypes.c_void_p(x.data_ptr()), b_layout,
+                    ctypes.byref(beta),
+                    ctypes.c_void_p(out.data_ptr()), c_layout, ctypes.c_void_p(out.data_ptr()), c_layout,
+                    ctypes.byref(algo.algo), ctypes.c_void_p(self.workspace.data_ptr()),
+                    ctypes.c_size_t(algo.workspace_size),
+                    ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))  # fmt: skip
+
+
+def _time_algos(lt: _CublasLt, project: Callable | None, weights: list[torch.Tensor], m: int) -> dict:
     """us per call of torch.mm, the engine's split-K form (``project``, where given) and each cuBLASLt
     algorithm, over ``m`` rows, rotating through ``weights``."""
     calls = 20
@@ -408,8 +472,7 @@ def _time_algos(lt, project: Callable | None, weights: list[torch.Tensor], m: in
     entry = {"torch_mm_us": us_per_call(lambda w: torch.mm(x, w.t(), out=out))}
     if project is not None:
         entry["engine_split_k_us"] = us_per_call(lambda w: project(x, w))
-    plan = lt.plan(m, n, k, k, torch.bfloat16, candidates=32)
-    algos = plan.algos
+    plan, algos = lt.plan(m, n, k)
     timed = []
     for index, algo in enumerate(algos):
         out.zero_()
@@ -430,11 +493,10 @@ def _time_algos(lt, project: Callable | None, weights: list[torch.Tensor], m: in
 
 
 def cublaslt_algos(args) -> dict:
-    from nanoinfer.kernels.cublaslt import CublasLt
     from nanoinfer.layers.kernels import triton_kernels
 
     kernels = triton_kernels(pdl=True)
-    lt = CublasLt(torch.device("cuda"))
+    lt = _CublasLt()
     shapes = {
         "qkv": (QKV, HIDDEN),
         "o": (HIDDEN, QDIM),

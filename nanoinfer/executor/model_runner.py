@@ -31,7 +31,6 @@ from nanoinfer.executor.cuda_graphs import (
 from nanoinfer.executor.input_batch import InputBatch, StepInputs, StepPlan
 from nanoinfer.executor.pinned import PinnedRing
 from nanoinfer.kernels.attention_ref import FP8_DTYPE, FP8_MAX
-from nanoinfer.kernels.cublaslt import TunedLinear
 from nanoinfer.kernels.step_inputs_ref import unpack_step_inputs_ref
 from nanoinfer.layers.attention import AttentionMetadata, create_attention_backend
 from nanoinfer.layers.kernels import triton_kernels, use_kernels
@@ -169,16 +168,7 @@ class ModelRunner:
         # The fused elementwise kernels go with the attention backend: Triton's on CUDA.
         self._unpack_step_inputs = unpack_step_inputs_ref
         if backend.name == "triton":
-            # cuBLASLt's fastest algorithm per shape for the decode graphs' projections, tuned in the
-            # eager run before each capture.
-            tuned_rows = []
-            if self.device.type == "cuda" and not config.enforce_eager:
-                tuned_rows = [
-                    rows for rows in cuda_graph_batch_sizes(config.max_num_seqs) if 16 < rows <= 256
-                ]
-            use_kernels(
-                self.model, triton_kernels(tuned_linear=TunedLinear(tuned_rows) if tuned_rows else None)
-            )
+            use_kernels(self.model, triton_kernels())
             from nanoinfer.kernels.triton_step_inputs import unpack_step_inputs
 
             self._unpack_step_inputs = unpack_step_inputs

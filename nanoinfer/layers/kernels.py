@@ -100,12 +100,10 @@ REFERENCE_KERNELS = LayerKernels(
 )
 
 
-def triton_kernels(pdl: bool = True, tuned_linear: Callable | None = None) -> LayerKernels:
+def triton_kernels(pdl: bool = True) -> LayerKernels:
     """The Triton kernels; with ``pdl`` (CUDA only) launched with programmatic dependent launch: a kernel
     starts while its predecessor finishes and waits for it only where it reads its output (on an H200
-    the 28-layer decode graph of the Qwen3-0.6B shape took 1106 us instead of 1201 at batch 1).
-    ``tuned_linear`` ((x, weight) -> x @ weight.T, `cublaslt.TunedLinear`) runs the projections without
-    bias that go to cuBLAS in place of ``F.linear``."""
+    the 28-layer decode graph of the Qwen3-0.6B shape took 1106 us instead of 1201 at batch 1)."""
     from nanoinfer.kernels import triton_elementwise as kernels  # Triton is imported only on CUDA
     from nanoinfer.kernels import triton_gemv
 
@@ -115,15 +113,10 @@ def triton_kernels(pdl: bool = True, tuned_linear: Callable | None = None) -> La
             return None
         return triton_gemv.preferred_config(x.shape[0], weight.shape[0], weight.shape[1])
 
-    def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if tuned_linear is None or bias is not None or x.dim() != 2:
-            return F.linear(x, weight, bias)
-        return tuned_linear(x, weight)
-
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         config = gemv_config(x, weight)
         if config is None:
-            return blas_linear(x, weight, bias)
+            return F.linear(x, weight, bias)
         return triton_gemv.gemv(x, weight, bias, config=config, pdl=pdl)
 
     def silu_mul_linear(
@@ -132,7 +125,7 @@ def triton_kernels(pdl: bool = True, tuned_linear: Callable | None = None) -> La
         # Where the projection runs as a GEMV, the activation is computed as its input loads.
         config = gemv_config(x, weight)
         if config is None:
-            return blas_linear(kernels.silu_and_mul(x, pdl=pdl), weight, bias)
+            return F.linear(kernels.silu_and_mul(x, pdl=pdl), weight, bias)
         return triton_gemv.gemv(x, weight, bias, config=config, pdl=pdl, gated=True)
 
     def residual_branch_linear(
