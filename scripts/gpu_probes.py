@@ -330,10 +330,8 @@ def _turn_edges_from(graph: int, source_name: str) -> list[str]:
     turned = []
     for source, destination, edge in zip(sources, destinations, data, strict=True):
         if source in names and destination in names and source_name in names[source] and edge.type == 0:
-            full, programmatic = (
-                _EdgeData(),
-                _EdgeData(from_port=1, type=1),
-            )  # PORT_PROGRAMMATIC, PROGRAMMATIC
+            full = _EdgeData()
+            programmatic = _EdgeData(from_port=1, type=1)  # the programmatic port and dependency type
             pair = (ctypes.c_void_p(source), ctypes.c_void_p(destination))
             _driver_call("cuGraphRemoveDependencies_v2", ctypes.c_void_p(graph), ctypes.byref(pair[0]),
                          ctypes.byref(pair[1]), ctypes.byref(full), ctypes.c_size_t(1))  # fmt: skip
