@@ -41,7 +41,15 @@ from collections.abc import Callable
 import torch
 
 LAYERS = 28
-HIDDEN, QKV, INTER, QDIM = 1024, 4096, 3072, 2048
+HIDDEN, QKV, INTER, QDIM, VOCAB = 1024, 4096, 3072, 2048, 151936
+# A layer's projections, (out features, in features), in the order the layer runs them.
+PROJECTIONS = {
+    "qkv": (QKV, HIDDEN),
+    "o": (HIDDEN, QDIM),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+}
+RESIDUAL_BRANCH_ENDS = ("o", "down")  # split into K ranges at 17-256 rows (`residual_branch_splits`)
 
 _STREAM_SOURCE = r"""
 typedef unsigned long long u64;
@@ -112,23 +120,17 @@ def l2_prefetch(args) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     device = torch.device("cuda")
     sink = torch.zeros(4, dtype=torch.int32, device=device)
-    shapes = {
-        "qkv": (QKV, HIDDEN),
-        "o": (HIDDEN, QDIM),
-        "gate_up": (2 * INTER, HIDDEN),
-        "down": (HIDDEN, INTER),
-    }
-    per_layer = sum(n * k for n, k in shapes.values())
+    per_layer = sum(n * k for n, k in PROJECTIONS.values())
     # One more layer than run, so that layer l's prefetch range ends in layer l + 1's qkv.
     weights = torch.randn((LAYERS + 1) * per_layer, device=device, dtype=torch.bfloat16) * 0.02
     offsets, offset = {}, 0
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in PROJECTIONS.items():
         offsets[name] = offset
         offset += n * k
 
     def weight(layer: int, name: str) -> torch.Tensor:
         start = layer * per_layer + offsets[name]
-        n, k = shapes[name]
+        n, k = PROJECTIONS[name]
         return weights[start : start + n * k].view(n, k)
 
     def prefetch_range(layer: int) -> tuple[torch.Tensor, int]:
@@ -143,7 +145,7 @@ def l2_prefetch(args) -> dict:
         kv = torch.randint(0, 255, (LAYERS * kv_layer,), dtype=torch.uint8, device=device)
         x = torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16)
         attn = torch.randn(m, QDIM, device=device, dtype=torch.bfloat16)
-        outs = {name: torch.empty(m, n, device=device, dtype=x.dtype) for name, (n, _) in shapes.items()}
+        outs = {name: torch.empty(m, n, device=device, dtype=x.dtype) for name, (n, _) in PROJECTIONS.items()}
         side = torch.cuda.Stream()
 
         def stream(layer, evict_first, prefetch=None, kv=kv, kv_layer=kv_layer):
@@ -495,17 +497,11 @@ def cublaslt_algos(args) -> dict:
 
     kernels = triton_kernels(pdl=True)
     lt = _CublasLt()
-    shapes = {
-        "qkv": (QKV, HIDDEN),
-        "o": (HIDDEN, QDIM),
-        "gate_up": (2 * INTER, HIDDEN),
-        "down": (HIDDEN, INTER),
-    }
     results = {}
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in PROJECTIONS.items():
         copies = max(2, -(-160_000_000 // (n * k * 2)))
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-        project = kernels.residual_branch_linear if name in ("o", "down") else None
+        project = kernels.residual_branch_linear if name in RESIDUAL_BRANCH_ENDS else None
         for m in (32, 64, 128, 256):
             entry = _time_algos(lt, project, weights, m)
             results[f"{name} M={m}"] = entry
@@ -519,19 +515,12 @@ def cublas_pdl(args) -> dict:
     from nanoinfer.layers.kernels import triton_kernels
 
     kernels = triton_kernels(pdl=True)
-    projections = {
-        "qkv": (QKV, HIDDEN, False),
-        "o": (HIDDEN, QDIM, True),
-        "gate_up": (2 * INTER, HIDDEN, False),
-        "down": (HIDDEN, INTER, True),
-        "lm_head": (151936, HIDDEN, False),
-    }
     results = {}
-    for name, (out_features, in_features, residual_branch) in projections.items():
+    for name, (out_features, in_features) in {**PROJECTIONS, "lm_head": (VOCAB, HIDDEN)}.items():
         weight = (
             torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) / in_features**0.5
         )
-        linear = kernels.residual_branch_linear if residual_branch else kernels.linear
+        linear = kernels.residual_branch_linear if name in RESIDUAL_BRANCH_ENDS else kernels.linear
         for rows in cuda_graph_batch_sizes(256):
             source = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             entry = _reads_after_write(lambda x, w=weight, f=linear: f(x, w), source)
