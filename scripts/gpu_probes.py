@@ -532,21 +532,23 @@ def cublas_pdl(args) -> dict:
     return results
 
 
+PROBES = {
+    "l2_prefetch": l2_prefetch,
+    "two_batch_overlap": two_batch_overlap,
+    "cublaslt_algos": cublaslt_algos,
+    "cublas_pdl": cublas_pdl,
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("probe", choices=["l2_prefetch", "two_batch_overlap", "cublaslt_algos", "cublas_pdl"])
+    parser.add_argument("probe", choices=list(PROBES))
     parser.add_argument("--model", help="checkpoint directory (two_batch_overlap)")
     args = parser.parse_args()
     if args.probe == "two_batch_overlap" and not args.model:
         parser.error("two_batch_overlap needs --model")
     result = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("NANOINFER_COMMIT", "unknown")}
-    probes = {
-        "l2_prefetch": l2_prefetch,
-        "two_batch_overlap": two_batch_overlap,
-        "cublaslt_algos": cublaslt_algos,
-        "cublas_pdl": cublas_pdl,
-    }
-    result.update(probes[args.probe](args))
+    result.update(PROBES[args.probe](args))
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, f"{args.probe}.json"), "w") as f:
         json.dump(result, f, indent=1)
