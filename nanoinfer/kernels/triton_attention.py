@@ -12,7 +12,11 @@ skipped on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+import json
+import re
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 import torch
 import triton
@@ -146,6 +150,43 @@ FP8_BALANCED_DECODE = DecodeConfig(
 FP8_CUDA_DECODE = replace(
     FP8_BALANCED_DECODE, kernel="cuda", num_stages=2, max_registers=None, kv_heads_first=True
 )
+# GPU models whose memory system wants other tiles than FP8_CUDA_DECODE's: one JSON file per model,
+# named by ``device_config_file``, holding the DecodeConfig fields that differ from FP8_CUDA_DECODE.
+# ``scripts/gpu_kernels.py --only decode_fp8_kernels --write-config`` writes it on that GPU.
+DEVICE_CONFIG_DIR = Path(__file__).parent / "configs" / "fp8_decode"
+
+
+def device_config_file(device_name: str) -> str:
+    """The tuned-config file name of a GPU model (``torch.cuda.get_device_name``'s name): runs of other
+    characters than letters and digits become one underscore ("NVIDIA H200" -> "NVIDIA_H200.json")."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
+
+
+@functools.cache
+def tuned_fp8_decode_config(device_name: str, directory: Path = DEVICE_CONFIG_DIR) -> DecodeConfig:
+    """FP8_CUDA_DECODE with the fields of ``device_name``'s file in ``directory`` replaced, or
+    FP8_CUDA_DECODE itself where the GPU model has no file. A file naming a field DecodeConfig lacks, a
+    value of another type than the field's, or a combination DecodeConfig rejects raises ValueError
+    naming the file."""
+    path = directory / device_config_file(device_name)
+    if not path.is_file():
+        return FP8_CUDA_DECODE
+    overrides = json.loads(path.read_text())
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{path}: must hold a JSON object of DecodeConfig fields")
+    known = {field.name: getattr(FP8_CUDA_DECODE, field.name) for field in fields(DecodeConfig)}
+    for name, value in overrides.items():
+        if name not in known:
+            raise ValueError(f"{path}: DecodeConfig has no field {name!r} (fields: {sorted(known)})")
+        allowed = (int, type(None)) if name == "max_registers" else (type(known[name]),)
+        if type(value) not in allowed:
+            raise ValueError(
+                f"{path}: {name} must be {' or '.join(t.__name__ for t in allowed)}, got {value!r}"
+            )
+    try:
+        return replace(FP8_CUDA_DECODE, **overrides)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -671,14 +712,19 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_decode_config(batch: int, cache_dtype: torch.dtype) -> DecodeConfig:
+def default_decode_config(
+    batch: int, cache_dtype: torch.dtype, device: torch.device | None = None
+) -> DecodeConfig:
     """The configuration ``paged_decode_attention`` uses when it is given none: against an FP8 cache,
-    from ``FP8_CUDA_MIN_ROWS`` rows, ``FP8_CUDA_DECODE``; otherwise splits (where the grid has fewer than
+    from ``FP8_CUDA_MIN_ROWS`` rows, ``FP8_CUDA_DECODE`` (on a CUDA ``device``, as tuned for its GPU
+    model: ``tuned_fp8_decode_config``); otherwise splits (where the grid has fewer than
     3 programs per SM) merged by a second kernel (H200, Qwen3-0.6B shape, 4096-wide tables, PDL: 7.9
     against 9.8 us per layer for the fused merge at batch 1 x 600, 11.2 against 15.0 at batch 8). bf16's
     64-key four-warp tiles, unsplit from 3 programs per SM, run at 3.8-4.0 TB/s on the bench workload's
     mixed lengths, which no balanced variant beat."""
     if cache_dtype == FP8_DTYPE and batch >= FP8_CUDA_MIN_ROWS:
+        if device is not None and device.type == "cuda":
+            return tuned_fp8_decode_config(torch.cuda.get_device_name(device))
         return FP8_CUDA_DECODE
     return MERGE_KERNEL_DECODE
 
@@ -737,7 +783,7 @@ class DecodeWorkspace:
                 num_kv_heads,
                 max_context,
                 num_sms,
-                config or default_decode_config(b, cache_dtype),
+                config or default_decode_config(b, cache_dtype, device),
             )
             for b in range(1, max_batch + 1)
         )
@@ -781,7 +827,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     num_sms = _num_sms(query.device)
-    config = config or default_decode_config(batch, k_cache.dtype)
+    config = config or default_decode_config(batch, k_cache.dtype, query.device)
     query = _last_dim_contiguous(query)
     block_tables = _last_dim_contiguous(block_tables)
     max_context = block_tables.shape[1] * block_size

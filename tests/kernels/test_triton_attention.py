@@ -161,6 +161,34 @@ def test_paged_decode_matches_reference(
     assert not workspace.counters.any(), "the fused merge must leave its counters at zero"
 
 
+def test_tuned_fp8_decode_config_reads_the_gpu_models_file(tmp_path):
+    kernels = _kernels()
+    assert kernels.device_config_file("NVIDIA H200") == "NVIDIA_H200.json"
+    assert kernels.device_config_file(" NVIDIA H100 80GB HBM3 ") == "NVIDIA_H100_80GB_HBM3.json"
+    # No file: FP8_CUDA_DECODE itself.
+    assert kernels.tuned_fp8_decode_config("NVIDIA H100 80GB HBM3", tmp_path) is kernels.FP8_CUDA_DECODE
+    (tmp_path / "NVIDIA_H200.json").write_text('{"stage_in_shared": true, "num_stages": 3}')
+    tuned = kernels.tuned_fp8_decode_config("NVIDIA H200", tmp_path)
+    assert tuned.stage_in_shared and tuned.num_stages == 3 and tuned.kernel == "cuda"
+    assert tuned.kv_heads_first == kernels.FP8_CUDA_DECODE.kv_heads_first
+    (tmp_path / "GPU_A.json").write_text('{"max_registers": 128}')
+    assert kernels.tuned_fp8_decode_config("GPU A", tmp_path).max_registers == 128
+    bad = {
+        "GPU_B.json": ('{"tiles": 3}', "has no field 'tiles'"),
+        "GPU_C.json": ('{"num_stages": "3"}', "num_stages must be int"),
+        "GPU_D.json": ('{"stage_in_shared": 1}', "stage_in_shared must be bool"),
+        "GPU_E.json": ('{"num_stages": 5}', "num_stages <= 4"),
+        "GPU_F.json": ("[3]", "JSON object"),
+    }
+    for file_name, (text, message) in bad.items():
+        (tmp_path / file_name).write_text(text)
+        with pytest.raises(ValueError, match=message) as caught:
+            kernels.tuned_fp8_decode_config(file_name.removesuffix(".json").replace("_", " "), tmp_path)
+        assert file_name in str(caught.value)
+    # The engine's path: no CUDA device, no lookup.
+    assert kernels.default_decode_config(64, FP8_DTYPE, torch.device("cpu")) is kernels.FP8_CUDA_DECODE
+
+
 def test_default_decode_config_follows_the_cache_dtype_and_the_grid():
     kernels = _kernels()
     # bf16 at any batch and a single FP8 row: splits (where needed) merged by a second kernel.
