@@ -165,13 +165,16 @@ def device_config_file(device_name: str) -> str:
 @functools.cache
 def tuned_fp8_decode_config(device_name: str, directory: Path = DEVICE_CONFIG_DIR) -> DecodeConfig:
     """FP8_CUDA_DECODE with the fields of ``device_name``'s file in ``directory`` replaced, or
-    FP8_CUDA_DECODE itself where the GPU model has no file. A file naming a field DecodeConfig lacks, a
-    value of another type than the field's, or a combination DecodeConfig rejects raises ValueError
-    naming the file."""
+    FP8_CUDA_DECODE itself where the GPU model has no file. A file that is not a JSON object, names a
+    field DecodeConfig lacks, gives a value of another type than the field's, or a combination
+    DecodeConfig rejects raises ValueError naming the file."""
     path = directory / device_config_file(device_name)
     if not path.is_file():
         return FP8_CUDA_DECODE
-    overrides = json.loads(path.read_text())
+    try:
+        overrides = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
     if not isinstance(overrides, dict):
         raise ValueError(f"{path}: must hold a JSON object of DecodeConfig fields")
     known = {field.name: getattr(FP8_CUDA_DECODE, field.name) for field in fields(DecodeConfig)}

@@ -179,6 +179,7 @@ def test_tuned_fp8_decode_config_reads_the_gpu_models_file(tmp_path):
         "GPU_D.json": ('{"stage_in_shared": 1}', "stage_in_shared must be bool"),
         "GPU_E.json": ('{"num_stages": 5}', "num_stages <= 4"),
         "GPU_F.json": ("[3]", "JSON object"),
+        "GPU_G.json": ('{"num_stages": 3,', "not JSON"),
     }
     for file_name, (text, message) in bad.items():
         (tmp_path / file_name).write_text(text)
