@@ -140,7 +140,8 @@ PY
     ;;
 fp8_tune)
     write_checkpoint
-    config=nanoinfer/kernels/configs/fp8_decode/$(python3 -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name()).strip('_'))").json
+    config=$(python3 -c "import torch; from nanoinfer.kernels import triton_attention as a
+print(a.DEVICE_CONFIG_DIR / a.device_config_file(torch.cuda.get_device_name()))")
     fp8_bench() {  # NAME [ARGS...]: the FP8 workload, its JSON named NAME
         timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
             --result-file "$OUT/throughput_fp8_$1.json" "${@:2}"
