@@ -76,6 +76,46 @@ for _ in range(int(sys.argv[2])):
 sys.exit(1)" "$@"
 }
 
+# This GPU model's tuned FP8 decode config file (triton_attention.tuned_fp8_decode_config), present or not.
+tuned_config_path() {
+    python3 -c "import torch; from nanoinfer.kernels import triton_attention as a
+print(a.DEVICE_CONFIG_DIR / a.device_config_file(torch.cuda.get_device_name()))"
+}
+
+# fp8_variant_bench VARIANT RESULT: the workload with FP8_CUDA_DECODE replaced as VARIANT names it
+# (triton, r128, cuda_all, bf16: bf16 KV, sD_tT[_h] / dD_tT[_h]: see fp8_kernels), this GPU model's
+# tuned-config file (if the tree has one) set aside for the run so that it does not alter the variant.
+fp8_variant_bench() {
+    local config
+    config=$(tuned_config_path)
+    [ ! -f "$config" ] || mv "$config" /tmp/set_aside_tuned.json
+    timeout 120 python3 - "$CKPT" "$1" "$2" <<'PY'
+import sys
+from dataclasses import replace
+
+import nanoinfer.kernels.triton_attention as attention
+from nanoinfer.benchmarks.throughput import main
+
+model, variant, result = sys.argv[1:]
+if variant == "triton":
+    attention.FP8_CUDA_DECODE = attention.FP8_BALANCED_DECODE
+elif variant == "r128":
+    attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, max_registers=128)
+elif variant == "cuda_all":
+    attention.FP8_CUDA_MIN_ROWS = 1
+elif variant[0] in "sd":
+    depth, target = (int(part) for part in variant[1:].removesuffix("_h").split("_t"))
+    attention.FP8_CUDA_DECODE = replace(
+        attention.FP8_CUDA_DECODE, stage_in_shared=variant[0] == "s", num_stages=depth,
+        target_programs_per_sm=target, kv_heads_first=variant.endswith("_h"),
+    )
+kv = "auto" if variant == "bf16" else "fp8"
+sys.argv = ["throughput", "--model", model, "--kv-cache-dtype", kv, "--result-file", result]
+sys.exit(main())
+PY
+    [ ! -f /tmp/set_aside_tuned.json ] || mv /tmp/set_aside_tuned.json "$config"
+}
+
 case "$1" in
 check)
     # SKIP_KERNELS=1: engine checks only (the kernel grid is unchanged since its last passing run).
@@ -112,36 +152,12 @@ fp8_kernels)
     write_checkpoint
     pass=0
     for variant in ${FP8_VARIANTS:-cuda triton r128 bf16}; do
-        timeout 120 python3 - "$CKPT" "$variant" "$OUT/throughput_fp8_kernels_${variant}_$((++pass)).json" <<'PY'
-import sys
-from dataclasses import replace
-
-import nanoinfer.kernels.triton_attention as attention
-from nanoinfer.benchmarks.throughput import main
-
-model, variant, result = sys.argv[1:]
-if variant == "triton":
-    attention.FP8_CUDA_DECODE = attention.FP8_BALANCED_DECODE
-elif variant == "r128":
-    attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, max_registers=128)
-elif variant == "cuda_all":
-    attention.FP8_CUDA_MIN_ROWS = 1
-elif variant[0] in "sd":
-    depth, target = (int(part) for part in variant[1:].removesuffix("_h").split("_t"))
-    attention.FP8_CUDA_DECODE = replace(
-        attention.FP8_CUDA_DECODE, stage_in_shared=variant[0] == "s", num_stages=depth,
-        target_programs_per_sm=target, kv_heads_first=variant.endswith("_h"),
-    )
-kv = "auto" if variant == "bf16" else "fp8"
-sys.argv = ["throughput", "--model", model, "--kv-cache-dtype", kv, "--result-file", result]
-sys.exit(main())
-PY
+        fp8_variant_bench "$variant" "$OUT/throughput_fp8_kernels_${variant}_$((++pass)).json"
     done
     ;;
 fp8_tune)
     write_checkpoint
-    config=$(python3 -c "import torch; from nanoinfer.kernels import triton_attention as a
-print(a.DEVICE_CONFIG_DIR / a.device_config_file(torch.cuda.get_device_name()))")
+    config=$(tuned_config_path)
     fp8_bench() {  # NAME [ARGS...]: the FP8 workload, its JSON named NAME
         timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
             --result-file "$OUT/throughput_fp8_$1.json" "${@:2}"
@@ -164,16 +180,7 @@ print(a.DEVICE_CONFIG_DIR / a.device_config_file(torch.cuda.get_device_name()))"
         done
         timeout 200 python3 -m pytest -q -x tests/kernels/test_cuda_decode.py 2>&1 | tail -5
     else
-        timeout 120 python3 - "$CKPT" "$OUT/throughput_fp8_staged3.json" <<'PY'
-import sys
-from dataclasses import replace
-
-import nanoinfer.kernels.triton_attention as attention
-from nanoinfer.benchmarks.throughput import main
-
-attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, stage_in_shared=True, num_stages=3)
-sys.exit(main(["--model", sys.argv[1], "--kv-cache-dtype", "fp8", "--result-file", sys.argv[2]]))
-PY
+        fp8_variant_bench s3_t64_h "$OUT/throughput_fp8_staged3.json"
         fp8_bench default2
         fp8_checks
         [ ! -f /tmp/committed_tuned.json ] || mv /tmp/committed_tuned.json "$config"
