@@ -1372,7 +1372,7 @@ def write_tuned_fp8_decode(res: dict, variants: dict) -> None:
         for field in fields(K.attn.DecodeConfig)
         if getattr(variants[best], field.name) != getattr(base, field.name)
     }
-    if variants[best] == base or gain < TUNED_MIN_GAIN:
+    if gain < TUNED_MIN_GAIN:  # also where the best is FP8_CUDA_DECODE's own tiles (gain <= 0)
         path.unlink(missing_ok=True)
         verdict = f"FP8_CUDA_DECODE kept (best {best} {totals[best]:.1f} us, {gain:+.1%}); no {path.name}"
     else:
