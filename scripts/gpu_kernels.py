@@ -1382,6 +1382,7 @@ def write_tuned_fp8_decode(res: dict, variants: dict) -> None:
         (out_dir / path.name).write_text(path.read_text())
         verdict = f"{best} written to {path.name}: {chosen} ({totals[best]:.1f} against {base_us:.1f} us)"
     K.attn.tuned_fp8_decode_config.cache_clear()
+    K.attn._device_fp8_decode_config.cache_clear()
     RESULTS["timing"]["decode_fp8_tuned"] = {"totals_us": totals, "best": best, "gain": gain}
     TABLE.append(("decode fp8 tuned config", verdict))
     log(verdict)

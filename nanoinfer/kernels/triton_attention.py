@@ -727,9 +727,16 @@ def default_decode_config(
     mixed lengths, which no balanced variant beat."""
     if cache_dtype == FP8_DTYPE and batch >= FP8_CUDA_MIN_ROWS:
         if device is not None and device.type == "cuda":
-            return tuned_fp8_decode_config(torch.cuda.get_device_name(device))
+            return _device_fp8_decode_config(device)
         return FP8_CUDA_DECODE
     return MERGE_KERNEL_DECODE
+
+
+@functools.cache
+def _device_fp8_decode_config(device: torch.device) -> DecodeConfig:
+    """``tuned_fp8_decode_config`` of the device's GPU model, its name read once per device: eager
+    decode calls this every layer."""
+    return tuned_fp8_decode_config(torch.cuda.get_device_name(device))
 
 
 def decode_num_splits(
