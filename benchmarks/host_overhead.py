@@ -52,7 +52,7 @@ def measure(model: str, batch_size: int, context: int, steps: int, profile: bool
     logits = torch.randn(batch_size, TINY_SHAPE["vocab_size"])
     runner.model.forward = lambda input_ids, positions, meta: torch.zeros(len(input_ids), hidden_size)
     runner.model.compute_logits = lambda hidden: logits[: len(hidden)]
-    sampler_module.sample_greedy_or_gumbel = lambda logits, metadata: logits.argmax(dim=-1)
+    sampler_module.sample_temperature_only = lambda logits, metadata: logits.argmax(dim=-1)
     engine = llm.llm_engine
     params = SamplingParams(
         temperature=0.6, ignore_eos=True, max_tokens=steps + 8, output_kind=RequestOutputKind.FINAL_ONLY

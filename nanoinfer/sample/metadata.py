@@ -126,7 +126,7 @@ class SamplingMetadata:
     @property
     def temperature_only(self) -> bool:
         """No row uses a filter, penalty, banned token, logit control or logprobs: every row's token is
-        the Gumbel-max (or, at temperature 0, the argmax) of its logits."""
+        the inverse-CDF draw (or, at temperature 0, the argmax) of its logits."""
         return (
             self.top_k is None
             and self.top_p is None

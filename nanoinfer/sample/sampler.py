@@ -2,12 +2,12 @@
 
 Order (vLLM's): the logit controls (allowed_token_ids, bad_words, logit_bias), min_tokens masking, then
 the repetition / frequency / presence penalties, then greedy rows take the argmax; the others divide by
-their temperature, drop tokens below min_p, keep their top-k and then their top-p, and take
-argmax(logits / T + g) with Gumbel noise g (the Gumbel-max trick: a draw from the filtered softmax).
+their temperature, drop tokens below min_p, keep their top-k and then their top-p, and draw from the
+filtered softmax by its inverse CDF (one uniform per row).
 Each step is skipped when no row of the batch uses it: a batch of plain temperature (or greedy) rows
 runs the one-pass path only.
 
-The noise comes from a counter-based generator keyed by (the row's seed, the number of tokens it has
+The uniform comes from a counter-based generator keyed by (the row's seed, the number of tokens it has
 generated): no state to keep or free, and a request draws the same tokens whether it runs alone or in
 any batch, after a preemption too, on any device (given the same logits).
 """
@@ -39,33 +39,25 @@ class SamplerOutput:
     logprob_rows: list[int] | None = None
 
 
-def _gumbel_noise(metadata: SamplingMetadata, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Gumbel(0, 1) noise of each row's (seed, offset): one Triton kernel on CUDA (the same noise as
-    ``gumbel_sample`` adds), the torch definition elsewhere."""
-    if device.type == "cuda":
-        from nanoinfer.kernels import triton_sampling
-
-        return triton_sampling.gumbel_noise(metadata.seeds, metadata.offsets, vocab_size)
-    return sampling_ref.gumbel_noise(metadata.seeds, metadata.offsets, vocab_size, device)
-
-
-def sample_greedy_or_gumbel(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Temperature-only sampling of every row: argmax for greedy rows, Gumbel-max for the others. On
-    CUDA one pass over the logits (no softmax, no division pass, the noise made in registers)."""
+def sample_temperature_only(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature-only sampling of every row: argmax for greedy rows, the inverse CDF of softmax(logits
+    / T) for the others. On CUDA two kernels (one pass over the logits, then one chunk per row)."""
     if metadata.all_greedy:
         return logits.argmax(dim=-1)
     if logits.device.type == "cuda":
         from nanoinfer.kernels import triton_sampling
 
-        return triton_sampling.gumbel_sample(logits, metadata.temperature, metadata.seeds, metadata.offsets)
-    return sampling_ref.gumbel_sample_ref(logits, metadata.temperature, metadata.seeds, metadata.offsets)
+        return triton_sampling.inverse_cdf_sample(
+            logits, metadata.temperature, metadata.seeds, metadata.offsets
+        )
+    return sampling_ref.inverse_cdf_sample_ref(logits, metadata.temperature, metadata.seeds, metadata.offsets)
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """One token per row of ``logits`` ([rows, vocab])."""
         if metadata.temperature_only:
-            return SamplerOutput(sample_greedy_or_gumbel(logits, metadata))
+            return SamplerOutput(sample_temperature_only(logits, metadata))
         return self._sample_full(logits, metadata)
 
     def sample_isolating_faults(
@@ -131,9 +123,8 @@ class Sampler:
     @staticmethod
     def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         device = logits.device
-        greedy_tokens = logits.argmax(dim=-1) if metadata.greedy.any() else None
         temperature = metadata.temperature
-        # Greedy rows divide by 1 to stay finite; their sampled token is discarded.
+        # Greedy rows divide by 1 to stay finite, and min_p keeps their argmax.
         logits.div_(torch.where(temperature > 0, temperature, torch.ones_like(temperature)).unsqueeze(1))
         if metadata.min_p is not None:
             apply_min_p(logits, torch.from_numpy(metadata.min_p.astype(np.float32)).to(device))
@@ -153,10 +144,10 @@ class Sampler:
                 selected = logits[index]
                 apply_top_k_top_p(selected, k, p)
                 logits[index] = selected
-        sampled = logits.add_(_gumbel_noise(metadata, vocab, device)).argmax(dim=-1)
-        if greedy_tokens is not None:
-            return torch.where(temperature > 0, sampled, greedy_tokens)
-        return sampled
+        # The logits are divided already: the draw is at temperature 1 (and the argmax at 0).
+        return sampling_ref.inverse_cdf_sample_ref(
+            logits, (temperature > 0).to(torch.float32), metadata.seeds, metadata.offsets
+        )
 
 
 def _concat_logprobs(pieces: list[LogprobsTensors]) -> LogprobsTensors:

@@ -93,4 +93,5 @@ def test_kernel_categories_name_every_decode_attention_kernel():
     for name in ("void fp8_paged_decode<128, 16, 0, 0, 2, 1>(void const*, un", "_decode_kernel"):
         assert throughput._kernel_category(name.lower()) == "attention"
     assert throughput._kernel_category("nvjet_sm90_tst_96x128_64x7_2x1_v_bz_tnn") == "gemm"
-    assert throughput._kernel_category("_gumbel_chunk_kernel") == "sampler_and_reductions"
+    for name in ("_softmax_chunk_kernel", "_inverse_cdf_pick_kernel"):
+        assert throughput._kernel_category(name) == "sampler_and_reductions"

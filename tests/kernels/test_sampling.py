@@ -1,5 +1,5 @@
-"""Counter-based sampling noise (statistics, bit-exactness against MurmurHash3) and the one-pass
-Gumbel-max sampler: the Triton kernels against the torch reference."""
+"""Counter-based sampling noise (statistics, bit-exactness against MurmurHash3) and the inverse-CDF
+sampler: the Triton kernels against the torch reference."""
 
 import math
 import struct
@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from nanoinfer.kernels.sampling_ref import (
-    gumbel_noise,
-    gumbel_sample_ref,
-    gumbel_scores_ref,
+    inverse_cdf_sample_ref,
     noise_hash_ref,
+    row_uniform_ref,
     uniform_noise_ref,
 )
-from tests.kernels.helpers import DEVICE, DTYPES, ON_GPU, generator, triton_module
+from tests.kernels.helpers import DEVICE, DTYPES, generator, triton_module
 
 _MASK32 = 0xFFFFFFFF
 
@@ -105,42 +104,55 @@ def test_uniform_noise_has_no_correlation_between_neighbours():
     assert abs(_corr(base[1:], neighbours["next offset"][:-1])) < bound
 
 
-def test_gumbel_noise_moments():
-    g = gumbel_noise(torch.tensor([11, 12]), torch.tensor([0, 5]), 1 << 16, "cpu").double()
-    n = g.numel()
-    euler_gamma, variance = 0.5772156649, math.pi**2 / 6
-    assert abs(g.mean().item() - euler_gamma) < 5 * math.sqrt(variance / n)
-    assert abs(g.var().item() - variance) < 0.05
-    assert torch.isfinite(g).all()
+def test_row_uniform_is_token_zeros_draw():
+    seeds, offsets = torch.tensor(SEEDS), torch.tensor(OFFSETS)
+    assert torch.equal(row_uniform_ref(seeds, offsets), uniform_noise_ref(seeds, offsets, 3)[:, 0])
 
 
-def test_gumbel_sample_ref_draws_from_the_softmax():
-    logits = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, 1.5])
+def test_inverse_cdf_sample_ref_draws_from_the_softmax():
+    logits = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, float("-inf"), 1.5])
     temperature = 0.7
     draws = 20000
-    tokens = gumbel_sample_ref(
+    tokens = inverse_cdf_sample_ref(
         logits.expand(draws, -1),
         torch.full((draws,), temperature),
         torch.full((draws,), 42, dtype=torch.int64),
         torch.arange(draws),  # one draw per generation step of one request
     )
-    counts = torch.bincount(tokens, minlength=6).double()
+    counts = torch.bincount(tokens, minlength=7).double()
+    assert counts[5] == 0  # a token of weight 0 is never drawn
     expected = torch.softmax(logits.double() / temperature, dim=0) * draws
-    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    kept = expected > 0
+    chi2 = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum().item()
     assert chi2 < 5 + 6 * math.sqrt(2 * 5)
 
 
-def test_gumbel_sample_ref_greedy_rows_and_reproducibility():
+def test_inverse_cdf_sample_ref_picks_the_token_where_the_draw_falls():
+    """Equal weights: token floor(u * V) (u the row's draw), the boundaries exact in float32."""
+    seeds, offsets = torch.tensor(SEEDS), torch.tensor(OFFSETS)
+    vocab = 64
+    tokens = inverse_cdf_sample_ref(torch.zeros(len(SEEDS), vocab), torch.ones(len(SEEDS)), seeds, offsets)
+    assert torch.equal(tokens, (row_uniform_ref(seeds, offsets) * vocab).floor().long())
+
+
+def test_inverse_cdf_sample_ref_greedy_rows_degenerate_rows_and_reproducibility():
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 500, generator=gen)
+    logits = torch.randn(5, 500, generator=gen)
     logits[1, 10] = logits[1, 400] = logits[1].max() + 1  # a tie: the lowest index wins
-    temperature = torch.tensor([0.8, 0.0, 1.3])
-    seeds, offsets = torch.tensor([5, 6, 7]), torch.tensor([3, 0, 9])
-    tokens = gumbel_sample_ref(logits, temperature, seeds, offsets)
-    assert tokens[1] == 10
+    logits[3] = float("-inf")  # no token has a weight: the argmax (0) stands
+    logits[4, :] = float("-inf")
+    logits[4, 250] = 0.0  # one token left: drawn at any temperature
+    temperature = torch.tensor([0.8, 0.0, 1.3, 1.0, 1e-6])
+    seeds, offsets = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([3, 0, 9, 1, 2])
+    tokens = inverse_cdf_sample_ref(logits, temperature, seeds, offsets)
+    assert tokens[1] == 10 and tokens[3] == 0 and tokens[4] == 250
     # A row's draw depends on its own seed and offset only, not on the rest of the batch.
-    alone = gumbel_sample_ref(logits[2:], temperature[2:], seeds[2:], offsets[2:])
+    alone = inverse_cdf_sample_ref(logits[2:3], temperature[2:3], seeds[2:3], offsets[2:3])
     assert alone[0] == tokens[2]
+    # A tiny temperature draws the argmax.
+    assert (
+        inverse_cdf_sample_ref(logits[:1], torch.tensor([1e-6]), seeds[:1], offsets[:1]) == logits[0].argmax()
+    )
 
 
 # -- the Triton kernels ------------------------------------------------------------------------------------
@@ -150,73 +162,77 @@ def _kernels():
     return triton_module("triton_sampling")
 
 
-def test_uniform_noise_kernel_is_bit_identical():
-    kernels = _kernels()
-    seeds = torch.tensor(SEEDS, dtype=torch.int64, device=DEVICE)
-    offsets = torch.tensor(OFFSETS, dtype=torch.int64, device=DEVICE)
-    got = kernels.uniform_noise(seeds, offsets, 2500)
-    assert torch.equal(got, uniform_noise_ref(seeds, offsets, 2500))
-
-
-def test_gumbel_noise_kernel_is_within_2e_6_of_the_exact_noise():
-    """The kernel's Gumbel noise (``lg2.approx``, and -log(1 - v)'s series where u is near 1) against
-    -log(-log(u)) in float64 over 8M tokens (256K in the CPU's interpreter, which takes its logs from
-    numpy), u's largest values (where the winners come from) included."""
-    kernels = _kernels()
-    seeds = torch.tensor(SEEDS, device=DEVICE)
-    offsets = torch.tensor(OFFSETS, device=DEVICE)
-    vocab = 2**20 if ON_GPU else 2**15
-    got = kernels.gumbel_noise(seeds, offsets, vocab).double()
-    u = uniform_noise_ref(seeds, offsets, vocab).double()
-    assert (1 - u).min() < 2**-17 and ((1 - u - 0.125).abs() < 1e-3).any()  # both ends of the series
-    assert (got - (-torch.log(-torch.log(u)))).abs().max() < 2e-6
-
-
 def _check_tokens(tokens, logits, temperature, seeds, offsets):
-    """Each token is the reference's, or (a near-tie within the noise's error) scores as well."""
-    scores = gumbel_scores_ref(logits, temperature, seeds, offsets)
-    best = scores.max(dim=1).values
-    achieved = scores.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    assert torch.all(achieved >= best - 1e-5 * best.abs().clamp_min(1.0))
+    """Every token is in the vocabulary with a positive weight, greedy rows take the argmax, and the
+    tokens are the reference's but where a draw falls within the running sums' rounding of a boundary
+    (at most one row here)."""
+    assert (tokens >= 0).all() and (tokens < logits.shape[1]).all()
+    assert (logits.float().gather(1, tokens.unsqueeze(1)) > float("-inf")).all()
     greedy = temperature == 0
     assert torch.equal(tokens[greedy], logits[greedy].float().argmax(dim=1))
+    differ = (tokens != inverse_cdf_sample_ref(logits, temperature, seeds, offsets)).sum().item()
+    assert differ <= 1
 
 
 @pytest.mark.parametrize("chunk_size", [None, 1024, 2048])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gumbel_sample_kernel_matches_reference(dtype, chunk_size):
+def test_inverse_cdf_sample_kernel_matches_reference(dtype, chunk_size):
     kernels = _kernels()
     gen = generator(1)
-    batch, vocab = 6, 3000
+    batch, vocab = 8, 3000
     logits = (torch.randn(batch, vocab + 40, generator=gen, device=DEVICE) * 3).to(dtype)[
         :, :vocab
     ]  # row stride
-    temperature = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.0, 0.05], device=DEVICE)
+    logits[7, 1000:] = float("-inf")  # a row whose last chunks have no weight
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.0, 0.05, 4.0, 1.0], device=DEVICE)
     seeds = torch.tensor(SEEDS[:batch], device=DEVICE)
     offsets = torch.tensor(OFFSETS[:batch], device=DEVICE)
     out = torch.full((batch,), -1, dtype=torch.int64, device=DEVICE)
-    kernels.gumbel_sample(logits, temperature, seeds, offsets, out=out, chunk_size=chunk_size)
-    assert (out >= 0).all() and (out < vocab).all()
+    kernels.inverse_cdf_sample(logits, temperature, seeds, offsets, out=out, chunk_size=chunk_size)
     _check_tokens(out, logits, temperature, seeds, offsets)
-    agree = (out == gumbel_sample_ref(logits, temperature, seeds, offsets)).float().mean()
-    assert agree == 1.0 or batch * (1 - agree) <= 1  # at most one near-tie
 
 
-def test_gumbel_sample_kernel_ties_take_the_lowest_index():
+def test_inverse_cdf_sample_kernel_draws_where_the_draw_falls():
+    """Equal weights over several chunks: token floor(u * V) exactly, u the reference's draw."""
+    kernels = _kernels()
+    seeds = torch.tensor(SEEDS, device=DEVICE)
+    offsets = torch.tensor(OFFSETS, device=DEVICE)
+    vocab = 4096
+    logits = torch.zeros(len(SEEDS), vocab, device=DEVICE)
+    tokens = kernels.inverse_cdf_sample(
+        logits, torch.ones(len(SEEDS), device=DEVICE), seeds, offsets, chunk_size=1024
+    )
+    assert torch.equal(tokens, (row_uniform_ref(seeds, offsets) * vocab).floor().long())
+
+
+def test_inverse_cdf_sample_kernel_degenerate_rows():
+    kernels = _kernels()
+    logits = torch.full((4, 2100), float("-inf"), device=DEVICE)
+    logits[1, 5] = 0.0  # one token in the first chunk
+    logits[2, 2050] = 3.0  # one token in the last chunk
+    logits[3, 30] = logits[3, 1500] = 1.0
+    temperature = torch.ones(4, device=DEVICE)
+    rows = torch.arange(4, device=DEVICE)
+    tokens = kernels.inverse_cdf_sample(logits, temperature, rows, rows, chunk_size=1024)
+    assert tokens[:3].tolist() == [0, 5, 2050] and tokens[3] in (30, 1500)
+    assert torch.equal(tokens, inverse_cdf_sample_ref(logits, temperature, rows, rows))
+
+
+def test_inverse_cdf_sample_kernel_greedy_ties_take_the_lowest_index():
     kernels = _kernels()
     logits = torch.zeros(2, 2100, device=DEVICE)
     logits[1, 1500] = logits[1, 30] = 1.0  # equal maxima in different chunks
     temperature = torch.zeros(2, device=DEVICE)
     seeds = offsets = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    tokens = kernels.gumbel_sample(logits, temperature, seeds, offsets, chunk_size=1024)
+    tokens = kernels.inverse_cdf_sample(logits, temperature, seeds, offsets, chunk_size=1024)
     assert tokens.tolist() == [0, 30]
 
 
-def test_gumbel_sample_validation_names_the_field():
+def test_inverse_cdf_sample_validation_names_the_field():
     kernels = _kernels()
     logits = torch.zeros(2, 10, device=DEVICE)
     rows = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="temperature"):
-        kernels.gumbel_sample(logits, torch.zeros(2, dtype=torch.float64, device=DEVICE), rows, rows)
+        kernels.inverse_cdf_sample(logits, torch.zeros(2, dtype=torch.float64, device=DEVICE), rows, rows)
     with pytest.raises(ValueError, match="seeds"):
-        kernels.gumbel_sample(logits, torch.zeros(2, device=DEVICE), rows.int(), rows)
+        kernels.inverse_cdf_sample(logits, torch.zeros(2, device=DEVICE), rows.int(), rows)
