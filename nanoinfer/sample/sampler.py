@@ -5,7 +5,7 @@ the repetition / frequency / presence penalties, then greedy rows take the argma
 their temperature, drop tokens below min_p, keep their top-k and then their top-p, and draw from the
 filtered softmax by its inverse CDF (one uniform per row).
 Each step is skipped when no row of the batch uses it: a batch of plain temperature (or greedy) rows
-runs the one-pass path only.
+runs the temperature-only path (two kernels on CUDA) only.
 
 The uniform comes from a counter-based generator keyed by (the row's seed, the number of tokens it has
 generated): no state to keep or free, and a request draws the same tokens whether it runs alone or in

@@ -175,7 +175,9 @@ def test_streamed_json_schema_equals_the_whole_response(client):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_tool_choice_required_gives_valid_calls(client, running, stream):
-    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=200)
+    # The random model chains a geometric number of calls (65-80 tokens each): these seeds end after one
+    # to three, well inside max_tokens (the most the 512-token context leaves after the prompt).
+    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=440)
     for seed in range(3):
         if stream:
             with client.chat.completions.stream(**kwargs, seed=seed, temperature=1.0) as events:
