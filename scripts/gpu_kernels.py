@@ -1347,6 +1347,45 @@ def time_decode_fp8_kernels(gen, quick, write_config=False):
         write_tuned_fp8_decode(res, variants)
 
 
+def time_decode_fp8_block_sizes(gen, quick):
+    """The engine's FP8 decode kernel (its default config) over pools of 16- to 256-token blocks (the
+    engine's ``kvcache_block_size``): the bench workload's mixed lengths at 128 and 256 rows and uniform
+    256 x 1024, each output checked; CUDA-graph replay, PDL on. A larger block means fewer block-table
+    reads per 16-key tile and longer contiguous runs of each KV head's bytes."""
+    res = {}
+    shapes = [(f"mixed B={b}", workload_decode_lengths(b)) for b in (128, 256)]
+    shapes += [("uniform 256 x 1024", [1024] * 256)]
+    for label, lens in shapes[-1:] if quick else shapes:
+        batch = len(lens)
+        query = randn(gen, batch, HEADS, HEAD_DIM)
+        out = torch.empty_like(query)
+        entry = {}
+        for block_size in (16, 32, 64, 128, 256):
+            paged = Paged(gen, lens, KV_HEADS, HEAD_DIM, block_size, fp8_scales(), width=4096 // block_size)
+            args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
+            expected = decode_reference(query, paged, paged.seq_lens, HEAD_DIM**-0.5)
+            entry[f"bs{block_size}"] = time_checked_decode(args, out, expected, paged, None)
+            if "err" in entry[f"bs{block_size}"]:
+                record(
+                    "decode_fp8_block_sizes",
+                    {"bs": block_size, "shape": label},
+                    entry[f"bs{block_size}"]["ok"],
+                    entry[f"bs{block_size}"]["err"],
+                )
+            del paged
+        res[label] = entry
+        TABLE.append(
+            (
+                f"decode fp8 block sizes {label}",
+                ", ".join(
+                    f"{k} {v['us']:.1f} us {v['kv_tbps']:.2f} TB/s" if "us" in v else f"{k} {v}"
+                    for k, v in entry.items()
+                ),
+            )
+        )
+    RESULTS["timing"]["decode_fp8_block_sizes"] = res
+
+
 # The tuned tiles must beat FP8_CUDA_DECODE's by this fraction over the shapes below to be written: the
 # ratio of two variants' times moves by about 1% between sweeps (H100, runs 93 and 112).
 TUNED_MIN_GAIN = 0.02
@@ -1958,7 +1997,7 @@ def guarded(name: str, stage: Callable) -> None:
 
 SECTIONS = (
     "ceiling", "correctness", "elementwise", "sampler", "gemv", "gemm", "decode", "decode_mixed",
-    "decode_fp8_kernels", "prefill", "layout", "mock_step",
+    "decode_fp8_kernels", "decode_fp8_block_sizes", "prefill", "layout", "mock_step",
 )  # fmt: skip
 
 
@@ -2006,6 +2045,7 @@ def main() -> int:
         "decode": lambda: time_decode(gen, opts.quick),
         "decode_mixed": lambda: time_decode_mixed(gen, opts.quick),
         "decode_fp8_kernels": lambda: time_decode_fp8_kernels(gen, opts.quick, opts.write_config),
+        "decode_fp8_block_sizes": lambda: time_decode_fp8_block_sizes(gen, opts.quick),
         "prefill": lambda: time_prefill(gen, opts.quick),
         "layout": lambda: time_layouts(gen, opts.quick),
         "mock_step": lambda: time_mock_step(gen, opts.quick),

