@@ -83,8 +83,9 @@ def inverse_cdf_sample_ref(
     """One token per row of ``logits`` [B, V], int64 [B]. A row with temperature T > 0 draws from
     softmax(logits / T) by its inverse CDF: with weights w_j = 2^((logits_j - max) * log2(e) / T) and
     their running sums c_j, the first j with c_j > u * c_(V-1), u the row's draw (``row_uniform_ref``),
-    never a token of weight 0. A row with T == 0, or whose weights have no positive finite sum (every
-    logit -inf, or a NaN), takes the plain argmax (ties to the lowest index)."""
+    never a token of weight 0 (at most the first j whose c_j reaches the total). A row with T == 0, or
+    whose weights have no positive finite sum (every logit -inf, or a NaN), takes the plain argmax (ties
+    to the lowest index)."""
     x = logits.float()
     greedy = x.argmax(dim=-1)
     temperature = temperature.float().to(x.device)
@@ -100,7 +101,8 @@ def inverse_cdf_sample_ref(
     total = running[:, -1]
     target = row_uniform_ref(seeds, offsets).to(x.device) * total
     chosen = (running <= target.unsqueeze(1)).sum(dim=-1)
-    positions = torch.arange(x.shape[1], device=x.device)
-    last_positive = torch.where(weights > 0, positions, -1).max(dim=-1).values
+    # Where u * total rounds up to the total: the first token whose running sum reaches it (its weight
+    # is positive, since the sums before it fall short).
+    first_at_total = (running < total.unsqueeze(1)).sum(dim=-1)
     usable = sampled & (total > 0) & torch.isfinite(total)
-    return torch.where(usable, torch.minimum(chosen, last_positive), greedy)
+    return torch.where(usable, torch.minimum(chosen, first_at_total), greedy)
