@@ -1267,9 +1267,9 @@ def time_decode_fp8_kernels(gen, quick, write_config=False):
     ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight in registers
     (``cuda_d*``) or 2 to 4 staged in shared memory (``cuda_s*``), split targets of 32, 64 or 128
     programs per SM, registers capped at 128 (16 warps per SM) or not, the grid's KV heads first
-    (``*_h``) or its sequences, over the bench workload's mixed
-    lengths from 1 to 256 rows (4096-token tables) and uniform 16 x 1536, 64 / 256 x 1024; every output
-    checked against the reference;
+    (``*_h``) or its sequences, FP8 converted by bit moves (``*bits``) or ``cvt``, over the bench
+    workload's mixed lengths from 1 to 256 rows (4096-token tables) and uniform 16 x 1536, 64 / 256 x
+    1024; every output checked against the reference;
     CUDA-graph replay, PDL on as in the engine. ``resources``: each CUDA variant's registers per thread,
     shared memory per program and programs per SM (the driver's occupancy calculator). With
     ``write_config``, ``write_tuned_fp8_decode`` then picks this GPU model's tiles."""
@@ -1305,6 +1305,11 @@ def time_decode_fp8_kernels(gen, quick, write_config=False):
         )  # fmt: skip
         name = f"cuda_{'s' if staged else 'd'}{depth}_t{target}" + (f"_r{registers}" if registers else "")
         variants[name + ("_h" if heads_first else "")] = config
+    # FP8 to float16 by bit moves instead of cvt, on the engine's tiles and the staged ones.
+    variants["cuda_bits"] = replace(K.attn.FP8_CUDA_DECODE, bitwise_dequant=True)
+    variants["cuda_s2_t64_h_bits"] = replace(
+        K.attn.FP8_CUDA_DECODE, stage_in_shared=True, num_stages=2, kv_heads_first=True, bitwise_dequant=True
+    )
     res["resources"] = {}
     for name, config in variants.items():
         if config is not None and config.kernel == "cuda":
@@ -1348,10 +1353,11 @@ def time_decode_fp8_kernels(gen, quick, write_config=False):
 
 
 def time_decode_fp8_block_sizes(gen, quick):
-    """The engine's FP8 decode kernel (its default config) over pools of 16- to 256-token blocks (the
-    engine's ``kvcache_block_size``): the bench workload's mixed lengths at 128 and 256 rows and uniform
-    256 x 1024, each output checked; CUDA-graph replay, PDL on. A larger block means fewer block-table
-    reads per 16-key tile and longer contiguous runs of each KV head's bytes."""
+    """The engine's FP8 decode kernel (its default config, and with FP8 converted by bit moves:
+    ``bits``) over pools of 16- to 256-token blocks (the engine's ``kvcache_block_size``): the bench
+    workload's mixed lengths at 128 and 256 rows and uniform 256 x 1024, each output checked; CUDA-graph
+    replay, PDL on. A larger block means fewer block-table reads per 16-key tile and longer contiguous
+    runs of each KV head's bytes."""
     res = {}
     shapes = [(f"mixed B={b}", workload_decode_lengths(b)) for b in (128, 256)]
     shapes += [("uniform 256 x 1024", [1024] * 256)]
@@ -1360,18 +1366,21 @@ def time_decode_fp8_block_sizes(gen, quick):
         query = randn(gen, batch, HEADS, HEAD_DIM)
         out = torch.empty_like(query)
         entry = {}
+        bits = replace(K.attn.FP8_CUDA_DECODE, bitwise_dequant=True)
         for block_size in (16, 32, 64, 128, 256):
             paged = Paged(gen, lens, KV_HEADS, HEAD_DIM, block_size, fp8_scales(), width=4096 // block_size)
             args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)
             expected = decode_reference(query, paged, paged.seq_lens, HEAD_DIM**-0.5)
-            entry[f"bs{block_size}"] = time_checked_decode(args, out, expected, paged, None)
-            if "err" in entry[f"bs{block_size}"]:
-                record(
-                    "decode_fp8_block_sizes",
-                    {"bs": block_size, "shape": label},
-                    entry[f"bs{block_size}"]["ok"],
-                    entry[f"bs{block_size}"]["err"],
-                )
+            for suffix, config in (("", None), (" bits", bits)):
+                name = f"bs{block_size}{suffix}"
+                entry[name] = time_checked_decode(args, out, expected, paged, config)
+                if "err" in entry[name]:
+                    record(
+                        "decode_fp8_block_sizes",
+                        {"cfg": name, "shape": label},
+                        entry[name]["ok"],
+                        entry[name]["err"],
+                    )
             del paged
         res[label] = entry
         TABLE.append(

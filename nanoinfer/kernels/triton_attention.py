@@ -69,6 +69,8 @@ class DecodeConfig:
     flight wait in shared memory (cp.async) instead of registers, so more of them fit per program at the
     same occupancy. ``kv_heads_first`` (that kernel only): the grid's fastest axis is the KV head, so
     that the programs launched together read one block's heads, a contiguous run of a head-major cache.
+    ``bitwise_dequant`` (that kernel only): FP8 becomes float16 by bit moves on the integer pipes
+    instead of ``cvt`` instructions (whose pipe is narrower), the exponent bias fixed in the scales.
     """
 
     mode: str = "fused"
@@ -83,6 +85,7 @@ class DecodeConfig:
     kernel: str = "triton"
     stage_in_shared: bool = False
     kv_heads_first: bool = False
+    bitwise_dequant: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -93,7 +96,7 @@ class DecodeConfig:
             raise ValueError(
                 "DecodeConfig.kernel='cuda' needs mode='balanced', block_n=16 and num_stages <= 4"
             )
-        for name in ("stage_in_shared", "kv_heads_first"):
+        for name in ("stage_in_shared", "kv_heads_first", "bitwise_dequant"):
             if getattr(self, name) and self.kernel != "cuda":
                 raise ValueError(f"DecodeConfig.{name} needs kernel='cuda'")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -111,9 +114,15 @@ class DecodeConfig:
             )
 
     @property
-    def cuda_tiling(self) -> tuple[int, int | None, bool, bool]:
+    def cuda_tiling(self) -> tuple[int, int | None, bool, bool, bool]:
         """``cuda_decode.kernel_for``'s ``tiling`` for this configuration."""
-        return (self.num_stages, self.max_registers, self.stage_in_shared, self.kv_heads_first)
+        return (
+            self.num_stages,
+            self.max_registers,
+            self.stage_in_shared,
+            self.kv_heads_first,
+            self.bitwise_dequant,
+        )
 
 
 # The default wherever the grid needs splits (``default_decode_config``); its split count is rounded down

@@ -58,6 +58,8 @@ TILINGS = {
     "shared_3": {"stage_in_shared": True, "num_stages": 3},
     "shared_4": {"stage_in_shared": True, "num_stages": 4},
     "shared_3_sequences_first": {"stage_in_shared": True, "num_stages": 3, "kv_heads_first": False},
+    "registers_bitwise": {"bitwise_dequant": True},
+    "shared_3_bitwise": {"stage_in_shared": True, "num_stages": 3, "bitwise_dequant": True},
 }
 
 
@@ -94,6 +96,32 @@ def test_cuda_fp8_decode_matches_reference(
     assert not out.isnan().any()
     assert rel_error(out, ref) < 1e-2
     assert torch.equal(out[lens == 0], torch.zeros_like(out[lens == 0]))
+
+
+@gpu_only
+@pytest.mark.parametrize("splits", [1, 16])
+def test_cuda_fp8_decode_bitwise_dequant_is_bit_identical_to_cvt(splits):
+    """Bit moves give 2^-8 of each e4m3 value exactly and the scales take the 2^8 back: every product and
+    sum is the cvt path's times a power of two, so the outputs are equal bit for bit."""
+    kernels = _kernels()
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size = CASES[0]
+    gen = generator(7)
+    tables, num_blocks = random_tables(gen, seq_lens, block_size)
+    scales = fp8_scales(0.5, 0.25)
+    caches = _fp8_cache(
+        gen, tables, seq_lens, num_blocks, block_size, num_kv_heads, head_dim, scales, "head_major"
+    )
+    query = randn(gen, len(seq_lens), num_heads, head_dim, dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for tiling in ("registers", "registers_bitwise"):
+        out = torch.full_like(query, float("nan"))
+        kernels._launch_decode(
+            query, *caches, tables, lens, head_dim**-0.5, out, None, splits, num_heads // num_kv_heads,
+            _cuda_config(kernels, tiling), *scales,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 @gpu_only
@@ -211,11 +239,13 @@ def test_cuda_kernel_config_needs_balanced_sixteen_key_tiles():
         kernels.DecodeConfig(stage_in_shared=True)
     with pytest.raises(ValueError, match="kv_heads_first"):
         kernels.DecodeConfig(kv_heads_first=True)
+    with pytest.raises(ValueError, match="bitwise_dequant"):
+        kernels.DecodeConfig(bitwise_dequant=True)
     assert kernels.FP8_CUDA_DECODE.kernel == "cuda"
     staged = kernels.DecodeConfig(
         kernel="cuda", mode="balanced", block_n=16, num_stages=3, stage_in_shared=True, kv_heads_first=True
     )
-    assert staged.cuda_tiling == (3, None, True, True)
+    assert staged.cuda_tiling == (3, None, True, True, False)
 
 
 def test_cuda_kernel_takes_only_calls_it_supports():
@@ -231,7 +261,9 @@ def test_cuda_kernel_takes_only_calls_it_supports():
         on = {"device": "cuda"}
         fp8, query, tables, lens = (t.to(**on) for t in (fp8, query, tables, lens))
         assert cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens).shared_mem == 0
-        staged = cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens, tiling=(3, None, True, False))
+        staged = cuda_decode.kernel_for(
+            query, fp8, fp8, query, tables, lens, tiling=(3, None, True, False, False)
+        )
         assert staged.shared_mem == 3 * 2 * 16 * 128  # three 16-key tiles of K and V, one byte each
         bf16 = fp8.to(torch.bfloat16)
         assert cuda_decode.kernel_for(query, bf16, bf16, query, tables, lens) is None
