@@ -160,7 +160,7 @@ def _inverse_cdf_pick_kernel(
         running_in_chunk = tl.cumsum(weights_in_chunk, axis=0)
         last_token = tl.max(tl.where(weights_in_chunk > 0.0, positions, -1), axis=0)
         index = tl.minimum(tl.sum((running_in_chunk <= target - before).to(tl.int32), axis=0), last_token)
-        # total > 0 is false for a NaN total; no weight exceeds 1, so a total is finite.
+        # total > 0 is false for a NaN total; no token weighs more than 1, so a total is finite.
         drawn = (total > 0.0) & (last_chunk >= 0) & (last_token >= 0)
         token = tl.where(drawn, chosen.to(tl.int64) * BLOCK + index, token)
     tl.store(out_ptr + row, token)
