@@ -1361,12 +1361,12 @@ def time_decode_fp8_block_sizes(gen, quick):
     res = {}
     shapes = [(f"mixed B={b}", workload_decode_lengths(b)) for b in (128, 256)]
     shapes += [("uniform 256 x 1024", [1024] * 256)]
+    bits = replace(K.attn.FP8_CUDA_DECODE, bitwise_dequant=True)
     for label, lens in shapes[-1:] if quick else shapes:
         batch = len(lens)
         query = randn(gen, batch, HEADS, HEAD_DIM)
         out = torch.empty_like(query)
         entry = {}
-        bits = replace(K.attn.FP8_CUDA_DECODE, bitwise_dequant=True)
         for block_size in (16, 32, 64, 128, 256):
             paged = Paged(gen, lens, KV_HEADS, HEAD_DIM, block_size, fp8_scales(), width=4096 // block_size)
             args = (query, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, HEAD_DIM**-0.5)

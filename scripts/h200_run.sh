@@ -85,6 +85,13 @@ for _ in range(int(sys.argv[2])):
 sys.exit(1)" "$@"
 }
 
+# fp8_bench NAME [ARGS...]: the FP8 workload (more throughput.py ARGS) of the tree in the working
+# directory, its JSON $OUT/throughput_fp8_NAME.json.
+fp8_bench() {
+    timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
+        --result-file "$OUT/throughput_fp8_$1.json" "${@:2}"
+}
+
 # This GPU model's tuned FP8 decode config file (triton_attention.tuned_fp8_decode_config), present or not.
 tuned_config_path() {
     python3 -c "import torch; from nanoinfer.kernels import triton_attention as a
@@ -176,11 +183,8 @@ sampler_ab)
     timeout 200 python3 scripts/gpu_check.py --skip-kernels --only graph_sampling
     timeout 120 python3 -m pytest -q -x tests/kernels/test_sampling.py 2>&1 | tail -3
     for round in 1 2; do
-        (cd "$old_tree" && PYTHONPATH=$PWD NANOINFER_COMMIT="${OLD_COMMIT:-old tree}" timeout 120 \
-            python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
-            --result-file "$OUT/throughput_fp8_old$round.json")
-        timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
-            --result-file "$OUT/throughput_fp8_new$round.json"
+        (cd "$old_tree" && PYTHONPATH=$PWD NANOINFER_COMMIT="${OLD_COMMIT:-old tree}" fp8_bench "old$round")
+        fp8_bench "new$round"
     done
     ;;
 fp8_blocks)
@@ -189,12 +193,11 @@ fp8_blocks)
     write_checkpoint
     pass=0
     for run in ${BLOCK_SIZES:-16 64 256 16 64}; do
-        result="$OUT/throughput_fp8_bs${run}_$((++pass)).json"
+        name="bs${run}_$((++pass))"
         if [ "${run%b}" != "$run" ]; then  # NNb: block size NN, FP8 converted by bit moves
-            fp8_variant_bench bits "$result" --block-size "${run%b}"
+            fp8_variant_bench bits "$OUT/throughput_fp8_$name.json" --block-size "${run%b}"
         else
-            timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 --block-size "$run" \
-                --result-file "$result"
+            fp8_bench "$name" --block-size "$run"
         fi
     done
     # NO_PROFILE=1: without Nsight Compute.
@@ -203,10 +206,6 @@ fp8_blocks)
 fp8_tune)
     write_checkpoint
     config=$(tuned_config_path)
-    fp8_bench() {  # NAME [ARGS...]: the FP8 workload, its JSON named NAME
-        timeout 120 python3 benchmarks/throughput.py --model "$CKPT" --kv-cache-dtype fp8 \
-            --result-file "$OUT/throughput_fp8_$1.json" "${@:2}"
-    }
     fp8_checks() {
         timeout 200 python3 scripts/gpu_check.py --skip-kernels --only fp8 graph_sampling
     }
