@@ -1267,7 +1267,8 @@ def time_decode_fp8_kernels(gen, quick, write_config=False):
     ``cuda_decode``'s kernel (``FP8_CUDA_DECODE``) with 2 or 3 tiles in flight in registers
     (``cuda_d*``) or 2 to 4 staged in shared memory (``cuda_s*``), split targets of 32, 64 or 128
     programs per SM, registers capped at 128 (16 warps per SM) or not, the grid's KV heads first
-    (``*_h``) or its sequences, FP8 converted by bit moves (``*bits``) or ``cvt``, over the bench
+    (``*_h``) or its sequences, FP8 converted by bit moves (``*bits*``) or ``cvt``, the accumulators
+    rescaled lazily (``*lazy*``) or every tile, over the bench
     workload's mixed lengths from 1 to 256 rows (4096-token tables) and uniform 16 x 1536, 64 / 256 x
     1024; every output checked against the reference;
     CUDA-graph replay, PDL on as in the engine. ``resources``: each CUDA variant's registers per thread,
@@ -1305,10 +1306,16 @@ def time_decode_fp8_kernels(gen, quick, write_config=False):
         )  # fmt: skip
         name = f"cuda_{'s' if staged else 'd'}{depth}_t{target}" + (f"_r{registers}" if registers else "")
         variants[name + ("_h" if heads_first else "")] = config
-    # FP8 to float16 by bit moves instead of cvt, on the engine's tiles and the staged ones.
-    variants["cuda_bits"] = replace(K.attn.FP8_CUDA_DECODE, bitwise_dequant=True)
+    # FP8 to float16 by bit moves instead of cvt (K and V, K only, V only), and the accumulators rescaled
+    # lazily, on the engine's tiles; bit moves on the staged ones.
+    for convert in ("bits", "bits_keys", "bits_values"):
+        variants[f"cuda_{convert}"] = replace(K.attn.FP8_CUDA_DECODE, fp8_convert=convert)
+        variants[f"cuda_lazy_{convert}"] = replace(
+            K.attn.FP8_CUDA_DECODE, fp8_convert=convert, lazy_rescale=True
+        )
+    variants["cuda_lazy"] = replace(K.attn.FP8_CUDA_DECODE, lazy_rescale=True)
     variants["cuda_s2_t64_h_bits"] = replace(
-        K.attn.FP8_CUDA_DECODE, stage_in_shared=True, num_stages=2, kv_heads_first=True, bitwise_dequant=True
+        K.attn.FP8_CUDA_DECODE, stage_in_shared=True, num_stages=2, kv_heads_first=True, fp8_convert="bits"
     )
     res["resources"] = {}
     for name, config in variants.items():
@@ -1361,7 +1368,7 @@ def time_decode_fp8_block_sizes(gen, quick):
     res = {}
     shapes = [(f"mixed B={b}", workload_decode_lengths(b)) for b in (128, 256)]
     shapes += [("uniform 256 x 1024", [1024] * 256)]
-    bits = replace(K.attn.FP8_CUDA_DECODE, bitwise_dequant=True)
+    bits = replace(K.attn.FP8_CUDA_DECODE, fp8_convert="bits")
     for label, lens in shapes[-1:] if quick else shapes:
         batch = len(lens)
         query = randn(gen, batch, HEADS, HEAD_DIM)

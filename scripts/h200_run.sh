@@ -99,9 +99,9 @@ print(a.DEVICE_CONFIG_DIR / a.device_config_file(torch.cuda.get_device_name()))"
 }
 
 # fp8_variant_bench VARIANT RESULT [ARGS...]: the workload (more throughput.py ARGS) with FP8_CUDA_DECODE
-# replaced as VARIANT names it (triton, r128, cuda_all, bits: FP8 converted by bit moves, bf16: bf16 KV,
-# sD_tT[_h] / dD_tT[_h]: see fp8_kernels), this GPU model's tuned-config file (if the tree has one) set
-# aside for the run so that it does not alter the variant.
+# replaced as VARIANT names it (triton, r128, cuda_all, bits: FP8 converted by bit moves, lazy: lazy
+# rescaling, bf16: bf16 KV, sD_tT[_h] / dD_tT[_h]: see fp8_kernels), this GPU model's tuned-config file
+# (if the tree has one) set aside for the run so that it does not alter the variant.
 fp8_variant_bench() {
     local config
     config=$(tuned_config_path)
@@ -121,7 +121,9 @@ elif variant == "r128":
 elif variant == "cuda_all":
     attention.FP8_CUDA_MIN_ROWS = 1
 elif variant == "bits":
-    attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, bitwise_dequant=True)
+    attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, fp8_convert="bits")
+elif variant == "lazy":
+    attention.FP8_CUDA_DECODE = replace(attention.FP8_CUDA_DECODE, lazy_rescale=True)
 elif variant[0] in "sd":
     depth, target = (int(part) for part in variant[1:].removesuffix("_h").split("_t"))
     attention.FP8_CUDA_DECODE = replace(

@@ -80,50 +80,65 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts"
                 )
         engine = self.llm_engine
-        request_ids = []
+        config = engine.config
+        request_ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
+        progress = use_tqdm if callable(use_tqdm) else tqdm
+        bar = progress(
+            total=len(prompt_list), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
+        )
+        rates = {"prefill": 0.0, "decode": 0.0}
+        queued_tokens = queued_rows = 0
+        launched = False
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):
                 request_id = str(next(self._request_ids))
                 # Only final outputs are collected here, so the engine need not build per-step ones.
-                engine.add_request(
+                request = engine.input_processor.process(
                     request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 )
+                engine.add_processed_request(request)
                 request_ids.append(request_id)
-            return self._run(request_ids, use_tqdm)
+                queued_rows += len(request.children)
+                queued_tokens += len(request.prompt_token_ids) * len(request.children)
+                if not launched and (
+                    queued_tokens >= config.max_num_batched_tokens or queued_rows >= config.max_num_seqs
+                ):
+                    # The requests queued fill the first step: it goes to the device now, which computes it
+                    # while the rest are validated and queued (tens of microseconds each, which for a few
+                    # hundred prompts kept the device idle for tens of milliseconds before its first step).
+                    self._step(finished, bar, rates)
+                    launched = True
+            while len(finished) < len(request_ids):
+                self._step(finished, bar, rates)
         except BaseException:
             # A bad prompt (or an interrupt) must not leave earlier requests holding KV blocks.
             for request_id in request_ids:
                 engine.abort_request(request_id)
             raise
-
-    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
-        engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
-        progress = use_tqdm if callable(use_tqdm) else tqdm
-        bar = progress(
-            total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
-        )
-        prefill_tps = decode_tps = 0.0
-        while len(finished) < len(request_ids):
-            before = engine.stats()
-            start = time.perf_counter()
-            outputs = engine.step()
-            elapsed = max(time.perf_counter() - start, 1e-9)
-            after = engine.stats()
-            prompt_tokens = after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]
-            if prompt_tokens:
-                prefill_tps = prompt_tokens / elapsed
-            else:
-                decode_tps = (after["num_generated_tokens"] - before["num_generated_tokens"]) / elapsed
-            for output in outputs:
-                if output.finished:
-                    finished[output.request_id] = output
-                    bar.update(1)
-            bar.set_postfix(
-                prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s", refresh=False
-            )
-        bar.close()
+        finally:
+            bar.close()
         return [finished[r] for r in request_ids]
+
+    def _step(self, finished: dict[str, RequestOutput], bar: Any, rates: dict[str, float]) -> None:
+        """One engine step: its finished requests' outputs into ``finished``; the bar shows the last
+        prompt-computing step's prompt tokens per second and the last decode step's new tokens per second."""
+        engine = self.llm_engine
+        before = engine.stats()
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        after = engine.stats()
+        prompt_tokens = after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]
+        if prompt_tokens:
+            rates["prefill"] = prompt_tokens / elapsed
+        else:
+            rates["decode"] = (after["num_generated_tokens"] - before["num_generated_tokens"]) / elapsed
+        for output in outputs:
+            if output.finished:
+                finished[output.request_id] = output
+                bar.update(1)
+        bar.set_postfix({kind: f"{rate:.0f} tok/s" for kind, rate in rates.items()}, refresh=False)
 
     def chat(
         self,

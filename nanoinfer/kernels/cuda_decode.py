@@ -57,6 +57,8 @@ _LOG2E = 1.4426950408889634
 _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9  # CUfunction_attribute, the driver API's
 # The float types the kernel reads queries in and writes outputs in (its QT / OT template arguments).
 _FLOAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# How FP8 becomes float16 (its CONVERT template argument: bit 0 K, bit 1 V by bit moves, else cvt).
+FP8_CONVERTS = {"cvt": 0, "bits_keys": 1, "bits_values": 2, "bits": 3}
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -256,14 +258,23 @@ __device__ __forceinline__ void read_stage(const TileStage<CHUNKS>& s, Tile<CHUN
     }
 }
 
+// With lazy rescaling the running max moves only when a tile's scores pass it by more than this (log2
+// units): a weight 2^(s - m) is then at most 2^8, well inside float16's range for the P operand.
+constexpr float LAZY_RESCALE_LOG2 = 8.f;
+
 // Per lane (g = lane / 4, c = lane % 4): scores of keys 2g, 2g+1 for queries 2c, 2c+1; the running max
 // m and partial sum l of queries 2c, 2c+1 (l summed over the lanes at the end); O^T rows of dims
-// 8g + 64i + 2t' (+1) for queries 2c, 2c+1, in acc[4i + t'].
-template <int HD, int BITS>
+// 8g + 64i + 2t' (+1) for queries 2c, 2c+1, in acc[4i + t']. CONVERT: bit 0 converts K, bit 1 V by bit
+// moves (else cvt). LAZY: the accumulators are rescaled only when the max moves (see LAZY_RESCALE_LOG2),
+// which every tile's scores rarely make it do once the first tiles are in; the final normalisation and
+// log2-sum-exp use the same max, so the result is the same up to rounding.
+template <int HD, int CONVERT, int LAZY>
 __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD / 8],
                                             float (&acc)[HD / 16][4], float (&m)[2], float (&l)[2],
                                             int tile_start, int end, int g, int c) {
     constexpr int CHUNKS = HD / 64;
+    constexpr int KEY_BITS = CONVERT & 1;
+    constexpr int VALUE_BITS = (CONVERT >> 1) & 1;
     const float neg_inf = __int_as_float(0xff800000);
     // Only a sequence's last tile (the branch is the same for the whole warp) reaches past its end.
     const bool partial = tile_start + 16 > end;
@@ -286,11 +297,12 @@ __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD 
         #pragma unroll
         for (int w = 0; w < 4; ++w) {
             const int step = 4 * i + w;
-            mma_16816(s, fp8_pair<BITS, 0>(ke[w]), fp8_pair<BITS, 0>(ko[w]), fp8_pair<BITS, 1>(ke[w]),
-                      fp8_pair<BITS, 1>(ko[w]), q[2 * step], q[2 * step + 1]);
+            mma_16816(s, fp8_pair<KEY_BITS, 0>(ke[w]), fp8_pair<KEY_BITS, 0>(ko[w]),
+                      fp8_pair<KEY_BITS, 1>(ke[w]), fp8_pair<KEY_BITS, 1>(ko[w]), q[2 * step],
+                      q[2 * step + 1]);
         }
     }
-    if constexpr (BITS) {
+    if constexpr (KEY_BITS) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) s[e] *= 256.f;
     }
@@ -304,17 +316,34 @@ __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD 
         tile_max[0] = fmaxf(tile_max[0], __shfl_xor_sync(0xffffffffu, tile_max[0], mask));
         tile_max[1] = fmaxf(tile_max[1], __shfl_xor_sync(0xffffffffu, tile_max[1], mask));
     }
-    // Every tile holds a valid key, so the new max is finite and exp2(-inf - max) = 0 on the first.
-    const float m_new[2] = {fmaxf(m[0], tile_max[0]), fmaxf(m[1], tile_max[1])};
-    const float alpha[2] = {fast_exp2(m[0] - m_new[0]), fast_exp2(m[1] - m_new[1])};
-    const float p0 = fast_exp2(s[0] - m_new[0]);
-    const float p1 = fast_exp2(s[1] - m_new[1]);
-    const float p2 = fast_exp2(s[2] - m_new[0]);
-    const float p3 = fast_exp2(s[3] - m_new[1]);
-    l[0] = l[0] * alpha[0] + p0 + p2;
-    l[1] = l[1] * alpha[1] + p1 + p3;
-    m[0] = m_new[0];
-    m[1] = m_new[1];
+    bool rescale = true;
+    if constexpr (LAZY) {
+        // Warp-uniform: the first tile always rescales (m is -inf).
+        const bool grows = tile_max[0] > m[0] + LAZY_RESCALE_LOG2 || tile_max[1] > m[1] + LAZY_RESCALE_LOG2;
+        rescale = __any_sync(0xffffffffu, grows);
+    }
+    if (rescale) {
+        // Every tile holds a valid key, so the new max is finite and exp2(-inf - max) = 0 on the first.
+        const float m_new[2] = {fmaxf(m[0], tile_max[0]), fmaxf(m[1], tile_max[1])};
+        const float alpha[2] = {fast_exp2(m[0] - m_new[0]), fast_exp2(m[1] - m_new[1])};
+        l[0] *= alpha[0];
+        l[1] *= alpha[1];
+        #pragma unroll
+        for (int r = 0; r < HD / 16; ++r) {
+            acc[r][0] *= alpha[0];
+            acc[r][1] *= alpha[1];
+            acc[r][2] *= alpha[0];
+            acc[r][3] *= alpha[1];
+        }
+        m[0] = m_new[0];
+        m[1] = m_new[1];
+    }
+    const float p0 = fast_exp2(s[0] - m[0]);
+    const float p1 = fast_exp2(s[1] - m[1]);
+    const float p2 = fast_exp2(s[2] - m[0]);
+    const float p3 = fast_exp2(s[3] - m[1]);
+    l[0] += p0 + p2;
+    l[1] += p1 + p3;
     // P^T's B operand: lane (g, c) needs query g's p of keys 4c, 4c+1 (held by lane 8c + g/2) and of
     // keys 4c+2, 4c+3 (lane 8c + 4 + g/2), of that lane's query parity g % 2.
     const u32 p_even_query = pack_f16x2(p0, p2);
@@ -339,12 +368,8 @@ __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD 
             const u32 v3 = (tt < 2) ? t.v[3][i].x : t.v[3][i].y;
             const u32 w01 = byte_pairs(v0, v1, selector);
             const u32 w23 = byte_pairs(v2, v3, selector);
-            acc[r][0] *= alpha[0];
-            acc[r][1] *= alpha[1];
-            acc[r][2] *= alpha[0];
-            acc[r][3] *= alpha[1];
-            mma_16816(acc[r], fp8_pair<BITS, 0>(w01), fp8_pair<BITS, 1>(w01), fp8_pair<BITS, 0>(w23),
-                      fp8_pair<BITS, 1>(w23), b0, b1);
+            mma_16816(acc[r], fp8_pair<VALUE_BITS, 0>(w01), fp8_pair<VALUE_BITS, 1>(w01),
+                      fp8_pair<VALUE_BITS, 0>(w23), fp8_pair<VALUE_BITS, 1>(w23), b0, b1);
         }
     }
 }
@@ -448,9 +473,9 @@ __device__ __forceinline__ void merge_if_last(void* out, const float* partial_ou
 // tile's loads are issued DEPTH - 1 tiles before its arithmetic; staged in shared memory (STAGED = 1, the
 // launch gives DEPTH TileStages of dynamic shared memory) DEPTH - 1 tiles are in flight while one is
 // attended, and the first ones are issued before the query is read. MIN_BLOCKS: warps per SM the
-// registers must leave room for (ptxas spills what does not fit).
+// registers must leave room for (ptxas spills what does not fit). CONVERT and LAZY: attend_tile's.
 template <int HD, int BS, int QT, int OT, int DEPTH, int MIN_BLOCKS, int STAGED, int HEADS_FIRST,
-          int BITS>
+          int CONVERT, int LAZY>
 __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const void* query, const unsigned char* k_cache, const unsigned char* v_cache, const int* block_tables,
     const int* seq_lens, void* out, float* partial_out, float* partial_lse, int* counters,
@@ -563,7 +588,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
             wait_copies<DEPTH - 1>();
             Tile<CHUNKS> t;
             read_stage(stages[p % DEPTH], t, lane);
-            attend_tile<HD, BITS>(t, q, acc, m, l, start + 16 * p, end, g, c);
+            attend_tile<HD, CONVERT, LAZY>(t, q, acc, m, l, start + 16 * p, end, g, c);
             stage(p + DEPTH);
         }
     } else {
@@ -574,7 +599,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
                 if (here >= end) break;
                 const int ahead = here + 16 * (DEPTH - 1);
                 if (ahead < end) load(tiles[(p + DEPTH - 1) % DEPTH], ahead);
-                attend_tile<HD, BITS>(tiles[p], q, acc, m, l, here, end, g, c);
+                attend_tile<HD, CONVERT, LAZY>(tiles[p], q, acc, m, l, here, end, g, c);
             }
         }
     }
@@ -584,7 +609,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
         l[0] += __shfl_xor_sync(0xffffffffu, l[0], mask);
         l[1] += __shfl_xor_sync(0xffffffffu, l[1], mask);
     }
-    const float v_mult = (has_v_scale ? v_scale[0] : 1.0f) * (BITS ? 256.f : 1.f);
+    const float v_mult = (has_v_scale ? v_scale[0] : 1.0f) * ((CONVERT & 2) ? 256.f : 1.f);
     const int num_heads = num_kv_heads * group;
     #pragma unroll
     for (int parity = 0; parity < 2; ++parity) {
@@ -644,13 +669,14 @@ def kernel_for(
     out: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    tiling: tuple = (2, None, False, False, False),
+    tiling: tuple = (2, None, False, False, "cvt", False),
 ) -> DecodeKernel | None:
     """The compiled kernel for this call, or None where it does not take it: it takes an FP8 cache on
     CUDA (sm_89 and up: the e4m3 conversions) whose blocks hold whole 16-key tiles, head_dim 64 or 128,
     at most 8 query heads per KV head, 16-byte aligned rows, int32 tables and lengths. ``tiling``: (tiles
     in flight, register cap or None, whether they are staged in shared memory, whether the grid's first
-    axis is the KV head, whether FP8 is converted by bit moves instead of ``cvt``)."""
+    axis is the KV head, how FP8 becomes float16 (a key of ``FP8_CONVERTS``), whether the accumulators
+    are rescaled lazily)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
     strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
@@ -673,10 +699,10 @@ def kernel_for(
     major, minor = torch.cuda.get_device_capability(query.device)
     if (major, minor) < (8, 9):
         return None
-    depth, max_registers, staged, heads_first, bitwise = tiling
+    depth, max_registers, staged, heads_first, convert, lazy = tiling
     min_blocks = 65536 // (32 * max_registers) if max_registers else 1
     codes = (_FLOAT_CODES[query.dtype], _FLOAT_CODES[out.dtype])
-    variant = (depth, min_blocks, int(staged), int(heads_first), int(bitwise))
+    variant = (depth, min_blocks, int(staged), int(heads_first), FP8_CONVERTS[convert], int(lazy))
     return _kernel(head_dim, block_size, *codes, *variant, 10 * major + minor)
 
 
@@ -695,12 +721,15 @@ def _kernel(
     min_blocks: int,
     staged: int,
     heads_first: int,
-    bitwise: int,
+    convert: int,
+    lazy: int,
     arch: int,
 ) -> DecodeKernel | None:
     """The compiled kernel for these template arguments, or None where NVRTC or the driver fails (the
     caller then runs the Triton kernel; the reason is logged once)."""
-    arguments = (head_dim, block_size, query_code, out_code, depth, min_blocks, staged, heads_first, bitwise)
+    arguments = (
+        head_dim, block_size, query_code, out_code, depth, min_blocks, staged, heads_first, convert, lazy
+    )  # fmt: skip
     name = f"fp8_paged_decode<{', '.join(map(str, arguments))}>"
     try:
         from torch.cuda._utils import (

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from nanoinfer.kernels.attention_ref import FP8_DTYPE, check_kv_scales
+from nanoinfer.kernels.cuda_decode import FP8_CONVERTS
 from nanoinfer.kernels.triton_elementwise import inverse_kv_scale, kv_to_cache, launch_options, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -69,8 +70,11 @@ class DecodeConfig:
     flight wait in shared memory (cp.async) instead of registers, so more of them fit per program at the
     same occupancy. ``kv_heads_first`` (that kernel only): the grid's fastest axis is the KV head, so
     that the programs launched together read one block's heads, a contiguous run of a head-major cache.
-    ``bitwise_dequant`` (that kernel only): FP8 becomes float16 by bit moves on the integer pipes
-    instead of ``cvt`` instructions (whose pipe is narrower), the exponent bias fixed in the scales.
+    ``fp8_convert`` (that kernel only): how FP8 becomes float16: ``"cvt"`` instructions, or bit moves on
+    the integer pipes (the exponent bias fixed in the scales) for K and V (``"bits"``), K only
+    (``"bits_keys"``) or V only (``"bits_values"``), which share the conversions between two pipes.
+    ``lazy_rescale`` (that kernel only): the online softmax moves its running max, and rescales its
+    accumulators, only when a tile's scores pass it by more than 2^8.
     """
 
     mode: str = "fused"
@@ -85,7 +89,8 @@ class DecodeConfig:
     kernel: str = "triton"
     stage_in_shared: bool = False
     kv_heads_first: bool = False
-    bitwise_dequant: bool = False
+    fp8_convert: str = "cvt"
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -96,9 +101,15 @@ class DecodeConfig:
             raise ValueError(
                 "DecodeConfig.kernel='cuda' needs mode='balanced', block_n=16 and num_stages <= 4"
             )
-        for name in ("stage_in_shared", "kv_heads_first", "bitwise_dequant"):
+        if self.fp8_convert not in FP8_CONVERTS:
+            raise ValueError(
+                f"DecodeConfig.fp8_convert must be one of {list(FP8_CONVERTS)}, got {self.fp8_convert!r}"
+            )
+        for name in ("stage_in_shared", "kv_heads_first", "lazy_rescale"):
             if getattr(self, name) and self.kernel != "cuda":
                 raise ValueError(f"DecodeConfig.{name} needs kernel='cuda'")
+        if self.fp8_convert != "cvt" and self.kernel != "cuda":
+            raise ValueError("DecodeConfig.fp8_convert needs kernel='cuda'")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
         if not 1 <= self.min_splits <= self.max_splits:
@@ -114,14 +125,15 @@ class DecodeConfig:
             )
 
     @property
-    def cuda_tiling(self) -> tuple[int, int | None, bool, bool, bool]:
+    def cuda_tiling(self) -> tuple[int, int | None, bool, bool, str, bool]:
         """``cuda_decode.kernel_for``'s ``tiling`` for this configuration."""
         return (
             self.num_stages,
             self.max_registers,
             self.stage_in_shared,
             self.kv_heads_first,
-            self.bitwise_dequant,
+            self.fp8_convert,
+            self.lazy_rescale,
         )
 
 

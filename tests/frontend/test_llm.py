@@ -197,3 +197,72 @@ def test_the_engine_heap_is_frozen_while_it_runs_and_given_back_at_close(tiny_qw
     finally:
         engine.close()
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_first_step_starts_once_the_queued_prompts_fill_it(tiny_qwen3, async_scheduling):
+    """generate() launches the first step as soon as the prompts queued fill its token budget (the device
+    computes it while the rest are queued): that step is the one a fully queued engine would schedule, and
+    the outputs are the same."""
+    options = dict(max_model_len=128, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    prompts = [[5 + i] * 20 for i in range(6)]
+    pipelined = LLM(tiny_qwen3, **options)
+    core = pipelined.llm_engine.engine_core
+    first_step = []
+    original_step, original_schedule = core.step, core.scheduler.schedule
+
+    def step():
+        if not first_step:
+            first_step.append(len(core.scheduler.requests))
+        return original_step()
+
+    def schedule():
+        out = original_schedule()
+        first_step.append([(r.request_id, r.num_tokens) for r in out.scheduled])
+        core.scheduler.schedule = original_schedule
+        return out
+
+    core.step, core.scheduler.schedule = step, schedule
+    outputs = pipelined.generate(prompts, GREEDY, use_tqdm=False)
+    # 20-token prompts: the fourth fills the 64-token budget.
+    assert first_step[0] == 4
+    assert _all_free(pipelined)
+
+    queued = LLM(tiny_qwen3, **options)
+    engine = queued.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    first_scheduled = []
+    original = engine.engine_core.scheduler.schedule
+
+    def schedule_queued():
+        out = original()
+        first_scheduled.append([(r.request_id, r.num_tokens) for r in out.scheduled])
+        engine.engine_core.scheduler.schedule = original
+        return out
+
+    engine.engine_core.scheduler.schedule = schedule_queued
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert first_step[1] == first_scheduled[0]
+    expected = [finished[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_bad_prompt_after_the_first_step_started_leaks_nothing(tiny_qwen3, async_scheduling):
+    """The first step is on its way when a later prompt turns out invalid: the call raises, every request of
+    the call is aborted and frees its blocks, and the engine runs the next call as a fresh one would."""
+    llm = LLM(tiny_qwen3, max_model_len=128, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    prompts = [[5 + i] * 20 for i in range(5)]
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        llm.generate([*prompts, [5] * 129], GREEDY, use_tqdm=False)
+    assert _all_free(llm)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    fresh = LLM(tiny_qwen3, max_model_len=128, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    expected = fresh.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+    assert _all_free(llm)

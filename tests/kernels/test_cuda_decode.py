@@ -50,7 +50,8 @@ CASES = [
 
 
 # The engine's tiles (in registers, the grid's KV heads first) and the tiles staged in shared memory, 2 to
-# 4 in flight; the grid's KV heads or its sequences first.
+# 4 in flight; the grid's KV heads or its sequences first; FP8 converted by bit moves (K, V or both);
+# the accumulators rescaled lazily.
 TILINGS = {
     "registers": {},
     "registers_sequences_first": {"kv_heads_first": False},
@@ -58,8 +59,17 @@ TILINGS = {
     "shared_3": {"stage_in_shared": True, "num_stages": 3},
     "shared_4": {"stage_in_shared": True, "num_stages": 4},
     "shared_3_sequences_first": {"stage_in_shared": True, "num_stages": 3, "kv_heads_first": False},
-    "registers_bitwise": {"bitwise_dequant": True},
-    "shared_3_bitwise": {"stage_in_shared": True, "num_stages": 3, "bitwise_dequant": True},
+    "registers_bitwise": {"fp8_convert": "bits"},
+    "shared_3_bitwise": {"stage_in_shared": True, "num_stages": 3, "fp8_convert": "bits"},
+    "registers_bitwise_keys": {"fp8_convert": "bits_keys"},
+    "registers_bitwise_values": {"fp8_convert": "bits_values"},
+    "registers_lazy": {"lazy_rescale": True},
+    "shared_3_lazy_bitwise": {
+        "stage_in_shared": True,
+        "num_stages": 3,
+        "lazy_rescale": True,
+        "fp8_convert": "bits",
+    },
 }
 
 
@@ -100,7 +110,8 @@ def test_cuda_fp8_decode_matches_reference(
 
 @gpu_only
 @pytest.mark.parametrize("splits", [1, 16])
-def test_cuda_fp8_decode_bitwise_dequant_is_bit_identical_to_cvt(splits):
+@pytest.mark.parametrize("convert", ["bits", "bits_keys", "bits_values"])
+def test_cuda_fp8_decode_bitwise_dequant_is_bit_identical_to_cvt(splits, convert):
     """Bit moves give 2^-8 of each e4m3 value exactly and the scales take the 2^8 back: every product and
     sum is the cvt path's times a power of two, so the outputs are equal bit for bit."""
     kernels = _kernels()
@@ -114,14 +125,49 @@ def test_cuda_fp8_decode_bitwise_dequant_is_bit_identical_to_cvt(splits):
     query = randn(gen, len(seq_lens), num_heads, head_dim, dtype=torch.bfloat16)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     outs = []
-    for tiling in ("registers", "registers_bitwise"):
+    for config in (kernels.FP8_CUDA_DECODE, replace(kernels.FP8_CUDA_DECODE, fp8_convert=convert)):
         out = torch.full_like(query, float("nan"))
         kernels._launch_decode(
             query, *caches, tables, lens, head_dim**-0.5, out, None, splits, num_heads // num_kv_heads,
-            _cuda_config(kernels, tiling), *scales,
+            config, *scales,
         )  # fmt: skip
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@gpu_only
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("tiling", ["registers", "registers_lazy", "shared_3_lazy_bitwise"])
+def test_cuda_fp8_decode_follows_a_max_that_moves_late(tiling, splits):
+    """Scores that climb by about 65 (log2 units) over most of a sequence and fall back at its end: the
+    lazily rescaled accumulators move their max every few tiles long after the first, the eager ones every
+    tile, and both match the reference."""
+    kernels = _kernels()
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size = [700, 33, 170], 16, 8, 128, 16
+    gen = generator(11)
+    tables, num_blocks = random_tables(gen, seq_lens, block_size)
+    scales = fp8_scales(0.5, 0.25)
+    k_cache, v_cache = _fp8_cache(
+        gen, tables, seq_lens, num_blocks, block_size, num_kv_heads, head_dim, scales, "token_major"
+    )
+    direction = torch.randint(0, 2, (head_dim,), generator=gen, device=DEVICE).float() * 2 - 1
+    for row, length in enumerate(seq_lens):
+        position = torch.arange(length, device=DEVICE).float()
+        ramp = torch.where(position < 0.8 * length, position / (0.8 * length), torch.full_like(position, 0.2))
+        keys = 2 * ramp[:, None, None] * direction + 0.3 * randn(gen, length, num_kv_heads, head_dim)
+        slots = torch.arange(length, device=DEVICE)
+        blocks = tables[row].long()[slots // block_size]
+        k_cache[blocks, slots % block_size] = quantize_fp8_ref(keys, scales[0])
+    query = (2 * direction).expand(len(seq_lens), num_heads, head_dim).to(torch.bfloat16).contiguous()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(query, float("nan"))
+    kernels._launch_decode(
+        query, k_cache, v_cache, tables, lens, head_dim**-0.5, out, None, splits,
+        num_heads // num_kv_heads, _cuda_config(kernels, tiling), *scales,
+    )  # fmt: skip
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, qsl, lens, tables, head_dim**-0.5, *scales)
+    assert rel_error(out, ref) < 1e-2
 
 
 @gpu_only
@@ -239,13 +285,17 @@ def test_cuda_kernel_config_needs_balanced_sixteen_key_tiles():
         kernels.DecodeConfig(stage_in_shared=True)
     with pytest.raises(ValueError, match="kv_heads_first"):
         kernels.DecodeConfig(kv_heads_first=True)
-    with pytest.raises(ValueError, match="bitwise_dequant"):
-        kernels.DecodeConfig(bitwise_dequant=True)
+    with pytest.raises(ValueError, match="fp8_convert"):
+        kernels.DecodeConfig(fp8_convert="bits")
+    with pytest.raises(ValueError, match="fp8_convert.*'cvt'"):
+        kernels.DecodeConfig(kernel="cuda", mode="balanced", block_n=16, fp8_convert="lut")
+    with pytest.raises(ValueError, match="lazy_rescale"):
+        kernels.DecodeConfig(lazy_rescale=True)
     assert kernels.FP8_CUDA_DECODE.kernel == "cuda"
     staged = kernels.DecodeConfig(
         kernel="cuda", mode="balanced", block_n=16, num_stages=3, stage_in_shared=True, kv_heads_first=True
     )
-    assert staged.cuda_tiling == (3, None, True, True, False)
+    assert staged.cuda_tiling == (3, None, True, True, "cvt", False)
 
 
 def test_cuda_kernel_takes_only_calls_it_supports():
@@ -262,7 +312,7 @@ def test_cuda_kernel_takes_only_calls_it_supports():
         fp8, query, tables, lens = (t.to(**on) for t in (fp8, query, tables, lens))
         assert cuda_decode.kernel_for(query, fp8, fp8, query, tables, lens).shared_mem == 0
         staged = cuda_decode.kernel_for(
-            query, fp8, fp8, query, tables, lens, tiling=(3, None, True, False, False)
+            query, fp8, fp8, query, tables, lens, tiling=(3, None, True, False, "cvt", False)
         )
         assert staged.shared_mem == 3 * 2 * 16 * 128  # three 16-key tiles of K and V, one byte each
         bf16 = fp8.to(torch.bfloat16)
