@@ -266,8 +266,8 @@ constexpr float LAZY_RESCALE_LOG2 = 8.f;
 // m and partial sum l of queries 2c, 2c+1 (l summed over the lanes at the end); O^T rows of dims
 // 8g + 64i + 2t' (+1) for queries 2c, 2c+1, in acc[4i + t']. CONVERT: bit 0 converts K, bit 1 V by bit
 // moves (else cvt). LAZY: the accumulators are rescaled only when the max moves (see LAZY_RESCALE_LOG2),
-// which every tile's scores rarely make it do once the first tiles are in; the final normalisation and
-// log2-sum-exp use the same max, so the result is the same up to rounding.
+// which past a sequence's first tiles few tiles make it do; the final normalisation and log2-sum-exp use
+// the same max, so the result is the same up to rounding.
 template <int HD, int CONVERT, int LAZY>
 __device__ __forceinline__ void attend_tile(Tile<HD / 64>& t, const u32 (&q)[HD / 8],
                                             float (&acc)[HD / 16][4], float (&m)[2], float (&l)[2],
