@@ -16,7 +16,8 @@
 #                               a variant beats FP8_CUDA_DECODE by 2% (gpu_kernels.py --write-config; a copy
 #                               lands in $OUT), then the workload with the file and without it alternating,
 #                               the FP8 and graph-sampling checks and the CUDA kernel's tests with it; where
-#                               no variant wins, the workload with staged tiles against the default instead
+#                               no variant wins, the workload with 64-token blocks against the default
+#                               instead; OLD_TREE (a directory) runs the workload once more on that tree
 #   scripts/h200_run.sh sampler_ab  the sampler kernels (check and timings: gpu_kernels.py --only sampler),
 #                               the graph-sampling check, the sampler's GPU tests, then the FP8 workload,
 #                               on an older tree (OLD_TREE, OLD_COMMIT as for ab) and this one, alternating
@@ -226,11 +227,14 @@ fp8_tune)
         done
         timeout 200 python3 -m pytest -q -x tests/kernels/test_cuda_decode.py 2>&1 | tail -5
     else
-        fp8_variant_bench s3_t64_h "$OUT/throughput_fp8_staged3.json"
+        fp8_bench bs64 --block-size 64
         fp8_bench default2
         fp8_checks
         [ ! -f /tmp/committed_tuned.json ] || mv /tmp/committed_tuned.json "$config"
     fi
+    # The workload on an older tree (as it was before this tree's changes outside the kernel's tiles).
+    [ -z "${OLD_TREE:-}" ] || (cd "$OLD_TREE" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+        NANOINFER_COMMIT="${OLD_COMMIT:-old tree}" fp8_bench old)
     ;;
 structured)
     write_checkpoint
