@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels import cuda_decode
 from nanoinfer.kernels.attention_ref import FP8_DTYPE, check_kv_scales
-from nanoinfer.kernels.cuda_decode import FP8_CONVERTS
 from nanoinfer.kernels.triton_elementwise import inverse_kv_scale, kv_to_cache, launch_options, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -101,10 +101,9 @@ class DecodeConfig:
             raise ValueError(
                 "DecodeConfig.kernel='cuda' needs mode='balanced', block_n=16 and num_stages <= 4"
             )
-        if self.fp8_convert not in FP8_CONVERTS:
-            raise ValueError(
-                f"DecodeConfig.fp8_convert must be one of {list(FP8_CONVERTS)}, got {self.fp8_convert!r}"
-            )
+        converts = list(cuda_decode.FP8_CONVERTS)
+        if self.fp8_convert not in converts:
+            raise ValueError(f"DecodeConfig.fp8_convert must be one of {converts}, got {self.fp8_convert!r}")
         for name in ("stage_in_shared", "kv_heads_first", "lazy_rescale"):
             if getattr(self, name) and self.kernel != "cuda":
                 raise ValueError(f"DecodeConfig.{name} needs kernel='cuda'")
@@ -723,13 +722,6 @@ def _decode_merge_kernel(
         tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
 
 
-def _cuda_decode():
-    """``cuda_decode``, imported at its first use (it compiles its kernel with NVRTC on CUDA only)."""
-    from nanoinfer.kernels import cuda_decode
-
-    return cuda_decode
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
@@ -926,12 +918,12 @@ def _launch_decode(
     register_cap = {"maxnreg": config.max_registers} if config.max_registers else {}
     cuda_kernel = None
     if config.kernel == "cuda":
-        cuda_kernel = _cuda_decode().kernel_for(
+        cuda_kernel = cuda_decode.kernel_for(
             query, k_cache, v_cache, out, block_tables, seq_lens, config.cuda_tiling
         )
     merged = False
     if cuda_kernel is not None:
-        merged = _cuda_decode().launch(
+        merged = cuda_decode.launch(
             cuda_kernel, query, k_cache, v_cache, block_tables, seq_lens, scale, out, partial_out,
             partial_lse, counters, num_splits, k_scale, v_scale, pdl,
         )  # fmt: skip
