@@ -107,6 +107,9 @@ class LLM:
                     # The requests queued fill the first step: it goes to the device now, which computes it
                     # while the rest are validated and queued (tens of microseconds each, which for a few
                     # hundred prompts kept the device idle for tens of milliseconds before its first step).
+                    # Prompts whose blocks are cached need fewer tokens than counted: that step may then
+                    # run fewer rows than a fully queued engine would (each completion still samples from
+                    # noise of its own seed, whatever its batch).
                     self._step(finished, bar, rates)
                     launched = True
             while len(finished) < len(request_ids):
