@@ -104,11 +104,15 @@ class DecodeConfig:
         converts = list(cuda_decode.FP8_CONVERTS)
         if self.fp8_convert not in converts:
             raise ValueError(f"DecodeConfig.fp8_convert must be one of {converts}, got {self.fp8_convert!r}")
-        for name in ("stage_in_shared", "kv_heads_first", "lazy_rescale"):
-            if getattr(self, name) and self.kernel != "cuda":
+        cuda_only = {
+            "stage_in_shared": self.stage_in_shared,
+            "kv_heads_first": self.kv_heads_first,
+            "fp8_convert": self.fp8_convert != "cvt",
+            "lazy_rescale": self.lazy_rescale,
+        }
+        for name, used in cuda_only.items():
+            if used and self.kernel != "cuda":
                 raise ValueError(f"DecodeConfig.{name} needs kernel='cuda'")
-        if self.fp8_convert != "cvt" and self.kernel != "cuda":
-            raise ValueError("DecodeConfig.fp8_convert needs kernel='cuda'")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
         if not 1 <= self.min_splits <= self.max_splits:
