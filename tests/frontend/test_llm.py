@@ -199,6 +199,22 @@ def test_the_engine_heap_is_frozen_while_it_runs_and_given_back_at_close(tiny_qw
     assert gc.get_freeze_count() == 0
 
 
+def _record_first_schedule(core) -> list:
+    """A list that receives the (request id, tokens) rows of the core's next schedule; the scheduler is
+    unwrapped again after it."""
+    rows = []
+    original = core.scheduler.schedule
+
+    def schedule():
+        out = original()
+        rows.extend((r.request_id, r.num_tokens) for r in out.scheduled)
+        core.scheduler.schedule = original
+        return out
+
+    core.scheduler.schedule = schedule
+    return rows
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_first_step_starts_once_the_queued_prompts_fill_it(tiny_qwen3, async_scheduling):
     """generate() launches the first step as soon as the prompts queued fill its token budget (the device
@@ -208,46 +224,31 @@ def test_the_first_step_starts_once_the_queued_prompts_fill_it(tiny_qwen3, async
     prompts = [[5 + i] * 20 for i in range(6)]
     pipelined = LLM(tiny_qwen3, **options)
     core = pipelined.llm_engine.engine_core
-    first_step = []
-    original_step, original_schedule = core.step, core.scheduler.schedule
+    queued_at_first_step = []
+    original_step = core.step
 
     def step():
-        if not first_step:
-            first_step.append(len(core.scheduler.requests))
+        if not queued_at_first_step:
+            queued_at_first_step.append(len(core.scheduler.requests))
         return original_step()
 
-    def schedule():
-        out = original_schedule()
-        first_step.append([(r.request_id, r.num_tokens) for r in out.scheduled])
-        core.scheduler.schedule = original_schedule
-        return out
-
-    core.step, core.scheduler.schedule = step, schedule
+    core.step = step
+    first_rows = _record_first_schedule(core)
     outputs = pipelined.generate(prompts, GREEDY, use_tqdm=False)
     # 20-token prompts: the fourth fills the 64-token budget.
-    assert first_step[0] == 4
+    assert queued_at_first_step == [4]
     assert _all_free(pipelined)
 
-    queued = LLM(tiny_qwen3, **options)
-    engine = queued.llm_engine
+    engine = LLM(tiny_qwen3, **options).llm_engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
-    first_scheduled = []
-    original = engine.engine_core.scheduler.schedule
-
-    def schedule_queued():
-        out = original()
-        first_scheduled.append([(r.request_id, r.num_tokens) for r in out.scheduled])
-        engine.engine_core.scheduler.schedule = original
-        return out
-
-    engine.engine_core.scheduler.schedule = schedule_queued
+    queued_first_rows = _record_first_schedule(engine.engine_core)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
-    assert first_step[1] == first_scheduled[0]
+    assert first_rows == queued_first_rows
     expected = [finished[str(i)].outputs[0].token_ids for i in range(len(prompts))]
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
