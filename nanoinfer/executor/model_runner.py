@@ -345,6 +345,7 @@ class ModelRunner:
                 self._dummy_step(num_tokens, num_decode)
         # Many decode rows beside a prompt: the decode kernel without splits (a full grid).
         self._dummy_step(cfg.max_num_seqs + 32, cfg.max_num_seqs)
+        self.input_batch.warm_up()
         hidden = torch.zeros(1, cfg.hf_config.hidden_size, dtype=self.dtype, device=device)
         sampler_batches = {1, 4, 16, 64, cfg.max_num_seqs}
         # The vocabulary projection runs outside the graphs at the step's exact row count; cuBLAS picks

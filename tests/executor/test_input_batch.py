@@ -183,3 +183,28 @@ def test_a_batch_that_keeps_its_slots_skips_the_gathers_and_a_new_request_in_a_f
     assert step(["a", "c"], {"c": (c, 3)}) == ([0.5, 0.0], [1, 3], 4)
     assert batch.slot_of["c"] == 1
     assert step(["c"], {}) == ([0.0], [3], 6)  # "a" finished: other rows
+
+
+def test_the_warm_up_runs_both_gather_kernels_and_leaves_the_first_step_its_own_gather(monkeypatch):
+    """index_select switches kernels past 16 indices, so the warm-up gathers on both sides of it; the
+    first step still gathers its rows' values (the warm-up's zeros are not taken for them)."""
+    batch = InputBatch(max_num_seqs=20, max_blocks_per_seq=4, block_size=BS, device=torch.device("cpu"))
+    index_sizes = []
+    index_select = torch.index_select
+    monkeypatch.setattr(
+        torch,
+        "index_select",
+        lambda src, dim, index, **k: index_sizes.append(len(index)) or index_select(src, dim, index, **k),
+    )
+    batch.warm_up()
+    assert min(index_sizes) <= 16 < max(index_sizes) == 20
+    out = SchedulerOutput(
+        scheduled=[row("a", 0, [1, 2], [0])],
+        new_requests={"a": new_request("a", [0], SamplingParams(temperature=0.5), seed=7)},
+        finished_request_ids=[],
+    )
+    _, plan = batch.prepare(out)
+    metadata = batch.sampling_metadata(
+        out, plan, None, batch.to_device(plan.sample_slots), batch.to_device(plan.sample_offsets)
+    )
+    assert (metadata.temperature.tolist(), metadata.seeds.tolist()) == ([0.5], [7])
