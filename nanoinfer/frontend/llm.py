@@ -88,8 +88,8 @@ class LLM:
             total=len(prompt_list), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
         )
         rates = {"prefill": 0.0, "decode": 0.0}
-        queued_tokens = queued_rows = 0
-        launched = False
+        # Prompts queued since the last step was launched: their tokens (times their completions).
+        unlaunched_tokens = unlaunched_rows = 0
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):
                 request_id = str(next(self._request_ids))
@@ -99,19 +99,22 @@ class LLM:
                 )
                 engine.add_processed_request(request)
                 request_ids.append(request_id)
-                queued_rows += len(request.children)
-                queued_tokens += len(request.prompt_token_ids) * len(request.children)
-                if not launched and (
-                    queued_tokens >= config.max_num_batched_tokens or queued_rows >= config.max_num_seqs
+                unlaunched_rows += len(request.children)
+                unlaunched_tokens += len(request.prompt_token_ids) * len(request.children)
+                if (
+                    unlaunched_tokens >= config.max_num_batched_tokens
+                    or unlaunched_rows >= config.max_num_seqs
                 ):
-                    # The requests queued fill the first step: it goes to the device now, which computes it
-                    # while the rest are validated and queued (tens of microseconds each, which for a few
-                    # hundred prompts kept the device idle for tens of milliseconds before its first step).
-                    # Prompts whose blocks are cached need fewer tokens than counted: that step may then
-                    # run fewer rows than a fully queued engine would (each completion still samples from
-                    # noise of its own seed, whatever its batch).
+                    # The prompts queued since the last step fill a step: the next one goes to the device
+                    # now, which computes it while more are validated and queued (tens of microseconds
+                    # each: queueing a few hundred prompts before the first step kept the device idle for
+                    # tens of milliseconds). Every step launched so far took at most one budget of prompt
+                    # tokens, so each finds a full budget waiting: the steps are those a fully queued
+                    # engine would schedule. (Prompts whose blocks are cached need fewer tokens than
+                    # counted: a step may then run fewer rows; each completion still samples from noise of
+                    # its own seed, whatever its batch.)
                     self._step(finished, bar, rates)
-                    launched = True
+                    unlaunched_tokens = unlaunched_rows = 0
             while len(finished) < len(request_ids):
                 self._step(finished, bar, rates)
         except BaseException:

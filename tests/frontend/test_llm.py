@@ -199,56 +199,53 @@ def test_the_engine_heap_is_frozen_while_it_runs_and_given_back_at_close(tiny_qw
     assert gc.get_freeze_count() == 0
 
 
-def _record_first_schedule(core) -> list:
-    """A list that receives the (request id, tokens) rows of the core's next schedule; the scheduler is
-    unwrapped again after it."""
-    rows = []
+def _record_schedules(core) -> list:
+    """A list that receives, for each of the core's schedules from now on, its (request id, tokens) rows."""
+    schedules = []
     original = core.scheduler.schedule
 
     def schedule():
         out = original()
-        rows.extend((r.request_id, r.num_tokens) for r in out.scheduled)
-        core.scheduler.schedule = original
+        schedules.append([(r.request_id, r.num_tokens) for r in out.scheduled])
         return out
 
     core.scheduler.schedule = schedule
-    return rows
+    return schedules
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_the_first_step_starts_once_the_queued_prompts_fill_it(tiny_qwen3, async_scheduling):
-    """generate() launches the first step as soon as the prompts queued fill its token budget (the device
-    computes it while the rest are queued): that step is the one a fully queued engine would schedule, and
-    the outputs are the same."""
+def test_steps_start_while_prompts_are_queued_once_each_step_is_filled(tiny_qwen3, async_scheduling):
+    """generate() launches a step each time the prompts queued since the last launch fill a step's token
+    budget (the device computes it while more are queued): every step is the one a fully queued engine
+    schedules, and the outputs are the same."""
     options = dict(max_model_len=128, max_num_batched_tokens=64, async_scheduling=async_scheduling)
-    prompts = [[5 + i] * 20 for i in range(6)]
+    prompts = [[5 + i] * 20 for i in range(10)]
     pipelined = LLM(tiny_qwen3, **options)
     core = pipelined.llm_engine.engine_core
-    queued_at_first_step = []
+    queued_at_step = []
     original_step = core.step
 
     def step():
-        if not queued_at_first_step:
-            queued_at_first_step.append(len(core.scheduler.requests))
+        queued_at_step.append(len(core.scheduler.requests))
         return original_step()
 
     core.step = step
-    first_rows = _record_first_schedule(core)
+    schedules = _record_schedules(core)
     outputs = pipelined.generate(prompts, GREEDY, use_tqdm=False)
-    # 20-token prompts: the fourth fills the 64-token budget.
-    assert queued_at_first_step == [4]
+    # 20-token prompts: every fourth fills the 64-token budget; then the two left join the queue.
+    assert queued_at_step[:3] == [4, 8, 10]
     assert _all_free(pipelined)
 
     engine = LLM(tiny_qwen3, **options).llm_engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
-    queued_first_rows = _record_first_schedule(engine.engine_core)
+    queued_schedules = _record_schedules(engine.engine_core)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
-    assert first_rows == queued_first_rows
+    assert schedules == queued_schedules
     expected = [finished[str(i)].outputs[0].token_ids for i in range(len(prompts))]
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
