@@ -15,7 +15,8 @@
 #                               --bound), the FP8 decode sweep writing the model's tuned-config file where
 #                               a variant beats FP8_CUDA_DECODE by 2% (gpu_kernels.py --write-config; a copy
 #                               lands in $OUT), then the workload with the file and without it alternating,
-#                               the FP8 and graph-sampling checks and the CUDA kernel's tests with it; where
+#                               the FP8 and graph-sampling checks (first of the default, right after its
+#                               workload) and the CUDA kernel's tests with it; where
 #                               no variant wins, the workload with 64-token blocks against the default
 #                               instead; OLD_TREE (a directory) runs the workload once more on that tree
 #   scripts/h200_run.sh sampler_ab  the sampler kernels (check and timings: gpu_kernels.py --only sampler),
@@ -215,6 +216,8 @@ fp8_tune)
     # The first pass runs without the file the tree may carry for this GPU model (put back afterwards).
     [ ! -f "$config" ] || mv "$config" /tmp/committed_tuned.json
     fp8_bench default1 --bound
+    # The checks of the default early, so that a call cut short by the device's time limit still has them.
+    fp8_checks
     timeout 200 python3 scripts/gpu_kernels.py --only decode_fp8_kernels --write-config
     if [ -f "$config" ]; then
         cat "$config"
@@ -229,7 +232,6 @@ fp8_tune)
     else
         fp8_bench bs64 --block-size 64
         fp8_bench default2
-        fp8_checks
         [ ! -f /tmp/committed_tuned.json ] || mv /tmp/committed_tuned.json "$config"
     fi
     # The workload on an older tree (as it was before this tree's changes outside the kernel's tiles).
