@@ -16,9 +16,9 @@
 #                               a variant beats FP8_CUDA_DECODE by 2% (gpu_kernels.py --write-config; a copy
 #                               lands in $OUT), then the workload with the file and without it alternating,
 #                               the FP8 and graph-sampling checks (first of the default, right after its
-#                               workload) and the CUDA kernel's tests with it; where
-#                               no variant wins, the workload with 64-token blocks against the default
-#                               instead; OLD_TREE (a directory) runs the workload once more on that tree
+#                               workload) and the CUDA kernel's tests with it; where no variant wins, the
+#                               workload with 64-token blocks against the default instead; OLD_TREE (a
+#                               directory) runs the workload once more on that tree
 #   scripts/h200_run.sh sampler_ab  the sampler kernels (check and timings: gpu_kernels.py --only sampler),
 #                               the graph-sampling check, the sampler's GPU tests, then the FP8 workload,
 #                               on an older tree (OLD_TREE, OLD_COMMIT as for ab) and this one, alternating
