@@ -23,6 +23,11 @@ _DTYPES = {
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # vLLM's names: "auto" stores K/V in the model's dtype; the FP8 names store e4m3 with per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# An FP8 cache's default block size. On nano-vLLM's workload 64-token blocks beat 16-token ones by 0.7%
+# on an H100 (docs/benchmarks.md, FP8 KV cache, run 115): the decode and prompt steps' device time by
+# 0.3% and 1.5%, the rest host time (a block-table entry every 64 tokens instead of 16). Prefix-cache
+# hits then come in 64-token steps.
+FP8_DEFAULT_BLOCK_SIZE = 64
 # Grammar processes on CUDA by default: one per two of the host's cores, at most 8. The structured-outputs
 # benchmark on the H100's host (16 cores, docs/benchmarks.md, runs 79 and 81): 8 processes filled 64 rows in
 # 560-650 us per step against 810-1,320 with 4, for a ratio of 0.77 on average over five runs (0.64-0.93)
@@ -84,9 +89,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    # Tokens per KV block. 16 (vLLM's default) gives fine-grained prefix-cache hits; any power of two
-    # from 16 to 256 works.
-    kvcache_block_size: int = 16
+    # Tokens per KV block: any power of two from 16 to 256. None: 16 (vLLM's default, fine-grained
+    # prefix-cache hits) for a 16-bit cache, 64 for an FP8 one (FP8_DEFAULT_BLOCK_SIZE).
+    kvcache_block_size: int | None = None
     # Override the computed size of the KV block pool.
     num_kvcache_blocks: int | None = None
     device: str = "auto"
@@ -215,6 +220,8 @@ class EngineConfig:
         _check_int("cpu_kvcache_space_bytes", self.cpu_kvcache_space_bytes, 1)
         if self.num_kvcache_blocks is not None:
             _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = 16 if self.kv_cache_dtype == "auto" else FP8_DEFAULT_BLOCK_SIZE
         bs = self.kvcache_block_size
         if not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {bs!r}")

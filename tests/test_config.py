@@ -121,6 +121,14 @@ def test_block_size_is_vllms_name_for_kvcache_block_size(tiny_qwen3):
     assert EngineConfig.from_kwargs(tiny_qwen3, block_size=32).kvcache_block_size == 32
 
 
+def test_default_block_size_follows_the_kv_cache_dtype(tiny_qwen3):
+    assert EngineConfig.from_kwargs(tiny_qwen3).kvcache_block_size == 16
+    for fp8 in ("fp8", "fp8_e4m3"):
+        assert EngineConfig.from_kwargs(tiny_qwen3, kv_cache_dtype=fp8).kvcache_block_size == 64
+    given = EngineConfig.from_kwargs(tiny_qwen3, kv_cache_dtype="fp8", kvcache_block_size=16)
+    assert given.kvcache_block_size == 16
+
+
 def test_seed_none_and_cpu_num_threads(tiny_qwen3):
     assert EngineConfig.from_kwargs(tiny_qwen3, seed=None).seed is None
     assert EngineConfig.from_kwargs(tiny_qwen3, cpu_num_threads=2).cpu_num_threads == 2

@@ -25,7 +25,8 @@ ENGINE_OPTION_HELP = {
     "gpu_memory_utilization": "share of GPU memory for weights, activations and the KV cache",
     "tensor_parallel_size": "GPUs (or CPU processes) the model is split across",
     "enforce_eager": "run without CUDA graphs",
-    "kvcache_block_size": "tokens per KV block: a power of two in [16, 256]",
+    "kvcache_block_size": "tokens per KV block: a power of two in [16, 256] (default: 16, or 64 with an FP8 "
+    "cache)",
     "num_kvcache_blocks": "size of the KV block pool (default: computed from the memory budget)",
     "device": "where the model runs; auto picks cuda when a GPU is visible",
     "dtype": "weights and activations; auto is the checkpoint's 16-bit dtype on GPU, float32 on CPU",

@@ -56,7 +56,9 @@ def test_fp8_pool_holds_more_blocks_and_generations_stay_close(tiny_qwen3):
     with LLM(tiny_qwen3, cpu_kvcache_space_bytes=SPACE, dtype="bfloat16") as reference:
         expected = reference.generate(prompts, params, use_tqdm=False)
         reference_blocks = reference.engine_stats()["num_kv_blocks_total"]
-    with LLM(tiny_qwen3, cpu_kvcache_space_bytes=SPACE, dtype="bfloat16", kv_cache_dtype="fp8") as llm:
+    # The reference's block size: twice the blocks in the same bytes.
+    fp8 = {"kv_cache_dtype": "fp8", "kvcache_block_size": 16}
+    with LLM(tiny_qwen3, cpu_kvcache_space_bytes=SPACE, dtype="bfloat16", **fp8) as llm:
         assert llm.engine_stats()["num_kv_blocks_total"] >= 1.9 * reference_blocks
         runner = llm.llm_engine.engine_core.executor.runner
         assert runner.kv_cache.dtype == torch.float8_e4m3fn
@@ -78,7 +80,12 @@ def test_fp8_through_prefix_hits_and_preemption_leaks_nothing(tiny_qwen3):
     longest = max(prompts, key=len)
     assert len(longest) >= 48
     shared = [longest[:48] + [7, 8, i] for i in range(3)]  # prefix hits on its first 3 blocks
-    kwargs = {"num_kvcache_blocks": 14, "max_num_batched_tokens": 32, "kv_cache_dtype": "fp8_e4m3"}
+    kwargs = {
+        "num_kvcache_blocks": 14,
+        "kvcache_block_size": 16,
+        "max_num_batched_tokens": 32,
+        "kv_cache_dtype": "fp8_e4m3",
+    }
     with LLM(tiny_qwen3, num_kvcache_blocks=200) as reference:
         expected = reference.generate(prompts + shared, params, use_tqdm=False)
     with LLM(tiny_qwen3, **kwargs) as llm:
