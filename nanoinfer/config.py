@@ -169,6 +169,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype) and self.dtype in _DTYPE_NAMES:
             self.dtype = _DTYPE_NAMES[self.dtype]
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = 16 if self.kv_cache_dtype == "auto" else FP8_DEFAULT_BLOCK_SIZE
         self._validate_ranges()
         self.device = self._resolve_device()
         if self.async_scheduling is None:
@@ -220,8 +222,6 @@ class EngineConfig:
         _check_int("cpu_kvcache_space_bytes", self.cpu_kvcache_space_bytes, 1)
         if self.num_kvcache_blocks is not None:
             _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
-        if self.kvcache_block_size is None:
-            self.kvcache_block_size = 16 if self.kv_cache_dtype == "auto" else FP8_DEFAULT_BLOCK_SIZE
         bs = self.kvcache_block_size
         if not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {bs!r}")
