@@ -17,8 +17,8 @@
 #                               lands in $OUT), then the workload with the file and without it alternating,
 #                               the FP8 and graph-sampling checks (first of the default, right after its
 #                               workload) and the CUDA kernel's tests with it; where no variant wins, the
-#                               workload with 64-token blocks against the default instead; OLD_TREE (a
-#                               directory) runs the workload once more on that tree
+#                               workload with 16-token blocks against the default (64 with FP8) instead;
+#                               OLD_TREE (a directory) runs the workload once more on that tree
 #   scripts/h200_run.sh sampler_ab  the sampler kernels (check and timings: gpu_kernels.py --only sampler),
 #                               the graph-sampling check, the sampler's GPU tests, then the FP8 workload,
 #                               on an older tree (OLD_TREE, OLD_COMMIT as for ab) and this one, alternating
@@ -230,7 +230,7 @@ fp8_tune)
         done
         timeout 200 python3 -m pytest -q -x tests/kernels/test_cuda_decode.py 2>&1 | tail -5
     else
-        fp8_bench bs64 --block-size 64
+        fp8_bench bs16 --block-size 16
         fp8_bench default2
         [ ! -f /tmp/committed_tuned.json ] || mv /tmp/committed_tuned.json "$config"
     fi
