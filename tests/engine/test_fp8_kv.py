@@ -95,6 +95,24 @@ def test_fp8_through_prefix_hits_and_preemption_leaks_nothing(tiny_qwen3):
     check_logprobs_close(expected, got)
 
 
+def test_fp8_under_tensor_parallelism_stays_close_and_leaks_nothing(tiny_qwen3):
+    # Each rank calibrates the scales of its own KV heads and stores them in its own FP8 pool.
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    prompts = _prompts(6, seed=2)
+    longest = max(prompts, key=len)
+    assert len(longest) >= 32
+    repeated = [longest + [5, 6]]  # a prefix hit on the longest prompt's full blocks
+    kwargs = {"kvcache_block_size": 16, "num_kvcache_blocks": 64}
+    with LLM(tiny_qwen3, **kwargs) as reference:
+        expected = reference.generate(prompts + repeated, params, use_tqdm=False)
+    with LLM(tiny_qwen3, tensor_parallel_size=2, kv_cache_dtype="fp8", **kwargs) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        got += llm.generate(repeated, params, use_tqdm=False)
+        assert got[-1].num_cached_tokens >= 16
+        assert _all_free(llm)
+    assert check_logprobs_close(expected, got) >= 3
+
+
 def test_checkpoint_scales_are_used(tmp_path):
     path = build_model(str(tmp_path / "scaled"), num_hidden_layers=2)
     weights = load_file(f"{path}/model.safetensors")
