@@ -1,6 +1,7 @@
 """FP8 (e4m3) KV cache on the CPU: the option, the pool that holds more blocks in the same bytes, the
 per-layer scales (from the checkpoint, or calibrated), and generations close to the default cache under
-vLLM's logprob-closeness rule, through prefix hits and preemption, with no block leaked."""
+vLLM's logprob-closeness rule, through prefix hits and preemption and under tensor parallelism, with no
+block leaked."""
 
 import random
 
