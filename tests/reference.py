@@ -1,4 +1,5 @@
-"""Greedy reference decoding with transformers and the near-tie comparison rule."""
+"""Greedy reference decoding with transformers, the near-tie comparison rule and vLLM's logprob-closeness
+rule."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ def load_hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def check_logprobs_close(a, b):
+    """vLLM's rule: the token ids are identical, or at the first position where they differ each side's
+    token is among the other side's logprobs there (as many as the requests asked for). Returns the
+    number of identical outputs."""
+    identical = 0
+    for x, y in zip(a, b, strict=True):
+        x, y = x.outputs[0], y.outputs[0]
+        for i, (tx, ty) in enumerate(zip(x.token_ids, y.token_ids, strict=True)):
+            if tx != ty:
+                assert tx in y.logprobs[i] and ty in x.logprobs[i], (i, tx, ty)
+                break
+        else:
+            identical += 1
+    return identical
